@@ -1,0 +1,20 @@
+"""ds_xc: extreme classification on DeepSpeed.
+
+Public API: :class:`ClassParallelHead`, :func:`parse_config`, :class:`ConfigError`,
+:func:`initialize` (DeepSpeed engine + head + head optimizer from one config),
+:func:`build_head_optimizer`.
+"""
+from ds_xc.config import ConfigError, parse_config
+from ds_xc.head import ClassParallelHead, build_head_optimizer
+
+__version__ = "0.1.0"
+
+
+def initialize(*args, **kwargs):
+    """Build the DeepSpeed engine, the head and its optimizer from one config (see ds_xc.engine)."""
+    from ds_xc.engine import initialize as _initialize  # imports deepspeed only when used
+    return _initialize(*args, **kwargs)
+
+
+__all__ = ["ClassParallelHead", "ConfigError", "parse_config", "initialize", "build_head_optimizer",
+           "__version__"]

@@ -1,0 +1,284 @@
+"""Configuration: the ds_xc sections of a DeepSpeed JSON config.
+
+ds_xc reads its own top-level sections from the same JSON file that DeepSpeed reads
+(DeepSpeed ignores keys it does not know). Each section is one pydantic model with
+``extra="forbid"``, a docstring per field and bounds next to the field; cross-field
+rules live in model validators. :func:`parse_config` validates the whole file and turns
+every pydantic error into a :class:`ConfigError` whose message names the key path, the
+bad value and what is allowed.
+
+Sections
+--------
+``extreme_classification``  the class-parallel head (:class:`HeadConfig`)
+``xc_train``                 the built-in training job of ``launch/train.py`` (:class:`TrainConfig`)
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from typing_extensions import Annotated
+
+__all__ = [
+    "ConfigError", "LossConfig", "SamplerConfig", "HeadOptimizerConfig", "HeadConfig",
+    "TrainConfig", "XCConfig", "parse_config", "parse_loss", "parse_sampler", "HEAD_SECTION", "TRAIN_SECTION",
+]
+
+HEAD_SECTION = "extreme_classification"
+TRAIN_SECTION = "xc_train"
+
+
+class ConfigError(ValueError):
+    """An invalid ds_xc configuration. The message names the key path, the value and what is allowed."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True, frozen=False)
+
+
+# --------------------------------------------------------------------------- loss
+class _NormalisedLoss(_Section):
+    scale: float = Field(64.0, gt=0.0, le=1e4, description="Logit scale s applied to cosine logits.")
+
+
+class SoftmaxLoss(_Section):
+    """Plain softmax cross entropy on unnormalised logits x.w (no scale, no margin)."""
+    type: Literal["softmax"] = "softmax"
+
+
+class CosFaceLoss(_NormalisedLoss):
+    """CosFace: target logit s * (cos - m)."""
+    type: Literal["cosface"]
+    margin: float = Field(0.35, ge=0.0, le=1.0, description="Additive cosine margin m.")
+
+
+class ArcFaceLoss(_NormalisedLoss):
+    """ArcFace: target logit s * cos(theta + m); s * (cos - m sin m) where theta + m > pi."""
+    type: Literal["arcface"]
+    margin: float = Field(0.5, ge=0.0, lt=math.pi / 2, description="Additive angular margin m (radians).")
+
+
+class CombinedLoss(_NormalisedLoss):
+    """Combined margin (InsightFace): target logit s * (cos(m1 * theta + m2) - m3)."""
+    type: Literal["combined"]
+    m1: float = Field(1.0, ge=0.5, le=4.0, description="Multiplicative angular margin.")
+    m2: float = Field(0.3, ge=0.0, lt=math.pi / 2, description="Additive angular margin (radians).")
+    m3: float = Field(0.2, ge=0.0, le=1.0, description="Additive cosine margin.")
+
+
+class DSoftmaxLoss(_NormalisedLoss):
+    """D-Softmax: log(1 + exp(s(d - cos_y))) + log(1 + sum_{k!=y} exp(s cos_k))."""
+    type: Literal["dsoftmax"]
+    d: float = Field(0.9, ge=-1.0, le=1.0, description="Intra-class cosine target d.")
+
+
+LossConfig = Annotated[
+    Union[SoftmaxLoss, CosFaceLoss, ArcFaceLoss, CombinedLoss, DSoftmaxLoss],
+    Field(discriminator="type"),
+]
+
+
+# --------------------------------------------------------------------------- sampler
+class FullSampler(_Section):
+    """Every class of the shard is active: the exact softmax."""
+    type: Literal["full"] = "full"
+
+
+class UniformSampler(_Section):
+    """Partial FC: this shard's positives in the global batch plus uniform random negatives."""
+    type: Literal["uniform"]
+    sample_rate: float = Field(0.1, gt=0.0, le=1.0,
+                               description="Active classes per shard = ceil(sample_rate * num_local).")
+
+
+SamplerConfig = Annotated[Union[FullSampler, UniformSampler], Field(discriminator="type")]
+
+
+# --------------------------------------------------------------------------- head optimizer
+class HeadOptimizerConfig(_Section):
+    """The optimizer of the head shards (stepped together with the DeepSpeed engine)."""
+    type: Literal["sgd", "adamw"] = Field("sgd", description="sgd (with momentum) or adamw.")
+    lr: float = Field(0.1, gt=0.0, le=1e3, description="Learning rate of the head.")
+    momentum: float = Field(0.9, ge=0.0, lt=1.0, description="SGD momentum.")
+    nesterov: bool = Field(False, description="SGD Nesterov momentum.")
+    weight_decay: float = Field(5e-4, ge=0.0, le=1.0, description="Weight decay (decoupled for adamw).")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
+    eps: float = Field(1e-8, gt=0.0, le=1.0, description="AdamW epsilon.")
+    update: Literal["dense", "lazy"] = Field(
+        "dense", description="dense: exact dense optimizer semantics; lazy: only the active rows "
+        "(and their optimizer state) are touched each step, O(K*d) per step.")
+    lr_schedule: Literal["follow_engine", "constant"] = Field(
+        "follow_engine", description="follow_engine scales the head lr by the engine scheduler's "
+        "lr / its initial lr; constant keeps lr.")
+
+    @model_validator(mode="after")
+    def _check(self):
+        for i, b in enumerate(self.betas):
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"betas[{i}]={b!r} must be in [0, 1)")
+        if self.nesterov and self.momentum == 0.0:
+            raise ValueError("nesterov=true needs momentum > 0")
+        return self
+
+
+class HeadConfig(_Section):
+    """Section ``extreme_classification``: the class-parallel classifier head."""
+    num_classes: int = Field(..., ge=2, le=10**10, description="Total number of classes C.")
+    embedding_dim: int = Field(..., ge=1, le=65536, description="Embedding dimension d.")
+    loss: LossConfig = Field(default_factory=SoftmaxLoss, description="Loss and margin.")
+    sampler: SamplerConfig = Field(default_factory=FullSampler, description="Active-class sampler.")
+    chunk_size: int = Field(0, ge=0, description="Rows of the global batch per logits chunk; 0 = one chunk.")
+    dtype: Literal["float32", "float64", "bfloat16"] = Field("float32", description="Head weight dtype.")
+    init_std: float = Field(0.01, gt=0.0, le=10.0, description="Std of the normal init of the weights.")
+    seed: int = Field(0, ge=0, lt=2**63, description="Seed of the weight init (per class, independent "
+                      "of the world size) and of the samplers.")
+    check_inputs: bool = Field(True, description="Check label ranges and finiteness before the step "
+                               "(one host sync on GPU).")
+    optimizer: HeadOptimizerConfig = Field(default_factory=HeadOptimizerConfig, description="Head optimizer.")
+
+
+# --------------------------------------------------------------------------- training job
+class TrainConfig(_Section):
+    """Section ``xc_train``: the built-in job of ``launch/train.py`` (flags override it)."""
+    data: Literal["text", "synthetic"] = Field("text", description="Built-in data set.")
+    max_steps: int = Field(300, ge=1, description="Optimizer steps to train.")
+    eval_every: int = Field(100, ge=0, description="Held-out evaluation every N steps (0 = only at the end).")
+    eval_samples: int = Field(4096, ge=1, description="Held-out samples per evaluation (at most).")
+    log_every: int = Field(10, ge=1, description="Steps between progress and monitor updates.")
+    save_every: int = Field(0, ge=0, description="Checkpoint every N steps (0 = only at the end, if save_dir).")
+    hidden_dim: int = Field(256, ge=1, description="Hidden width of the built-in backbone.")
+    context: int = Field(4, ge=1, le=64, description="Previous words used as input (text data).")
+    seed: int = Field(0, ge=0, description="Seed of the backbone init and the data order.")
+
+
+class XCConfig(BaseModel):
+    """All ds_xc sections of one DeepSpeed config; absent optional sections are None."""
+    model_config = ConfigDict(extra="ignore")
+    extreme_classification: Optional[HeadConfig] = None
+    xc_train: TrainConfig = Field(default_factory=TrainConfig)
+
+
+_SECTIONS = (HEAD_SECTION, TRAIN_SECTION)
+_TAGGED_UNIONS = {"loss", "sampler"}  # pydantic puts the tag into the error location; we drop it
+
+
+def _format_loc(loc: tuple) -> str:
+    parts: list[str] = []
+    skip = False
+    for item in loc:
+        if skip:
+            skip = False
+            continue
+        if isinstance(item, int):
+            parts[-1:] = [f"{parts[-1]}[{item}]"] if parts else [f"[{item}]"]
+            continue
+        parts.append(str(item))
+        skip = item in _TAGGED_UNIONS
+    return ".".join(parts)
+
+
+def _describe_error(err: dict, prefix: str) -> str:
+    loc = err.get("loc", ())
+    kind, msg = err.get("type", ""), err.get("msg", "")
+    path = ".".join(p for p in (prefix, _format_loc(loc)) if p)
+    if kind == "union_tag_invalid":
+        # error location stops at the union field itself
+        return f"{path}.type: {msg}"
+    if kind == "extra_forbidden":
+        return f"{path}: unknown key (value {err.get('input')!r}); remove it or check the spelling"
+    if kind == "union_tag_not_found":
+        allowed = err.get("ctx", {}).get("expected_tags", "")
+        return f"{path}.type: required key is missing; expected one of {allowed}"
+    if kind == "value_error":
+        return f"{path}: {msg.removeprefix('Value error, ')}"
+    if kind == "missing":
+        return f"{path}: required key is missing"
+    if kind.startswith("literal_error"):
+        return f"{path}: got {err.get('input')!r}; {msg.lower()}"
+    return f"{path}: got {err.get('input')!r}; {msg}"
+
+
+def validation_error(exc: ValidationError, prefix: str) -> ConfigError:
+    """Turn a pydantic error into a ConfigError listing every problem with its key path."""
+    lines = [_describe_error(e, prefix) for e in exc.errors()]
+    return ConfigError("invalid ds_xc config:\n  " + "\n  ".join(lines))
+
+
+def validate_section(model: type[BaseModel], value: Any, prefix: str) -> BaseModel:
+    """Validate one section (a dict or an instance of ``model``), raising ConfigError."""
+    if isinstance(value, model):
+        return value
+    if not isinstance(value, dict):
+        raise ConfigError(f"{prefix}: expected a JSON object (dict), got {type(value).__name__} {value!r}")
+    try:
+        return model.model_validate(value)
+    except ValidationError as exc:
+        raise validation_error(exc, prefix) from None
+
+
+class _LossHolder(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    loss: LossConfig
+
+
+class _SamplerHolder(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    sampler: SamplerConfig
+
+
+def parse_loss(value: Any):
+    """Validate a loss config given alone: a model, a dict, or the bare type name."""
+    if isinstance(value, str):
+        value = {"type": value}
+    if isinstance(value, BaseModel):
+        return value
+    return validate_section(_LossHolder, {"loss": value}, HEAD_SECTION).loss
+
+
+def parse_sampler(value: Any):
+    """Validate a sampler config given alone: a model, a dict, or the bare type name."""
+    if isinstance(value, str):
+        value = {"type": value}
+    if isinstance(value, BaseModel):
+        return value
+    return validate_section(_SamplerHolder, {"sampler": value}, HEAD_SECTION).sampler
+
+
+def _load(config: Union[str, os.PathLike, dict]) -> dict:
+    if isinstance(config, dict):
+        return config
+    path = os.fspath(config)
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist")
+    with open(path) as fh:
+        text = fh.read()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        try:  # DeepSpeed accepts hjson (comments); so do we when hjson is installed
+            import hjson
+            return dict(hjson.loads(text))
+        except ImportError:
+            raise ConfigError(f"config file {path!r} is not valid JSON") from None
+        except Exception as exc:  # hjson error: report file and reason
+            raise ConfigError(f"config file {path!r} is not valid JSON/hjson: {exc}") from None
+
+
+def parse_config(config: Union[str, os.PathLike, dict]) -> XCConfig:
+    """Validate the ds_xc sections of a whole DeepSpeed config (a dict or a path to the JSON).
+
+    Keys that belong to DeepSpeed are left alone; each ds_xc section is validated by its
+    model, and any problem raises :class:`ConfigError` naming the key path.
+    """
+    raw = _load(config)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"the config must be a JSON object, got {type(raw).__name__}")
+    sections: dict[str, Any] = {}
+    if HEAD_SECTION in raw:
+        sections[HEAD_SECTION] = validate_section(HeadConfig, raw[HEAD_SECTION], HEAD_SECTION)
+    if TRAIN_SECTION in raw:
+        sections[TRAIN_SECTION] = validate_section(TrainConfig, raw[TRAIN_SECTION], TRAIN_SECTION)
+    return XCConfig(**sections)

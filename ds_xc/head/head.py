@@ -1,0 +1,248 @@
+"""ClassParallelHead: a classifier layer whose classes are sharded over a process group.
+
+Legend: B local batch rows, N = sum of B over ranks (global batch), d embedding dim,
+L = num_local classes of this rank, K active classes of this rank in a step.
+
+One step (DESIGN.md): embeddings (B, d) and labels (B,) are all-gathered to (N, d) and
+(N,); the sampler picks this shard's active classes (K of L); the fused sharded loss
+scores the global batch against them in row chunks and returns the global-batch mean,
+identical on every rank. Backward reduce-scatters the embedding gradient, scaled so
+that each rank gets the gradient of its *local* mean loss (data-parallel convention),
+while this rank's weight shard gets the gradient of the global mean. The shard is never
+averaged across ranks: keep it out of data-parallel wrappers (see ds_xc.engine).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ds_xc import config as cfg
+from ds_xc.head.margins import TargetLoss, build_loss
+from ds_xc.head.partition import shard_range
+from ds_xc.head.softmax import sharded_margin_loss
+from ds_xc.parallel.collectives import all_gather_no_grad, all_gather_rows
+from ds_xc.parallel.groups import group_rank, group_size, is_distributed
+from ds_xc.sampling import ActiveSet, build_sampler
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ClassParallelHead", "init_shard"]
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+_INIT_BLOCK = 1 << 16  # rows per init block: the init of a class does not depend on the world size
+
+
+def init_shard(num_classes: int, dim: int, start: int, count: int, std: float, seed: int,
+               dtype=torch.float32, device=None) -> torch.Tensor:
+    """Rows [start, start+count) of a N(0, std^2) matrix that is a pure function of (seed, row).
+
+    Generated in fixed blocks of global rows, so every world size (and a resharded
+    checkpoint) sees the same initial weights for the same class.
+    """
+    out = torch.empty((count, dim), dtype=dtype, device=device)
+    first, last = start // _INIT_BLOCK, (start + count - 1) // _INIT_BLOCK if count else -1
+    gen = torch.Generator(device="cpu")
+    for b in range(first, last + 1):
+        b0 = b * _INIT_BLOCK
+        rows = min(_INIT_BLOCK, num_classes - b0)
+        gen.manual_seed((int(seed) * 1_000_003 + b) % (2**63))
+        block = torch.randn((rows, dim), generator=gen, dtype=torch.float32).mul_(std)
+        lo, hi = max(start, b0), min(start + count, b0 + rows)
+        out[lo - start: hi - start] = block[lo - b0: hi - b0].to(dtype)
+    return out
+
+
+class ClassParallelHead(nn.Module):
+    """Class-sharded classifier with exact softmax / margin losses and sampled softmax.
+
+    Args:
+        embedding_dim: d.
+        num_classes: C, split over ``group`` as ``C // P + (rank < C % P)`` contiguous rows.
+        loss: a loss config (dict, model or name: softmax | cosface | arcface | combined | dsoftmax).
+        sampler: a sampler config (dict, model or name: full | uniform).
+        group: the process group the classes are sharded over (None: world, or one process).
+        chunk_size: rows of the global batch per logits chunk (0: one chunk).
+        dtype, init_std, seed: weight dtype and init; init is per class, independent of P.
+        update: "dense" (dense weight gradients) or "lazy" (sparse gradient rows, for the
+            lazy head optimizers; sampled heads then cost O(K*d) per step).
+        check_inputs: validate label range, shapes and finiteness on every rank before the
+            collectives (one small all-reduce, and a host sync on GPU).
+    """
+
+    def __init__(self, embedding_dim: int, num_classes: int, loss="softmax", sampler="full",
+                 group=None, chunk_size: int = 0, dtype: Union[str, torch.dtype] = torch.float32,
+                 init_std: float = 0.01, seed: int = 0, update: str = "dense",
+                 check_inputs: bool = True, device=None):
+        super().__init__()
+        if isinstance(dtype, str):
+            if dtype not in _DTYPES:
+                raise cfg.ConfigError(f"{cfg.HEAD_SECTION}.dtype: got {dtype!r}; allowed: {sorted(_DTYPES)}")
+            dtype = _DTYPES[dtype]
+        if update not in ("dense", "lazy"):
+            raise cfg.ConfigError(f"{cfg.HEAD_SECTION}.optimizer.update: got {update!r}; allowed: 'dense', 'lazy'")
+        if chunk_size < 0:
+            raise cfg.ConfigError(f"{cfg.HEAD_SECTION}.chunk_size: got {chunk_size}; must be >= 0")
+        self.group = group
+        self.rank, self.world_size = group_rank(group), group_size(group)
+        self.embedding_dim, self.num_classes = int(embedding_dim), int(num_classes)
+        self.class_start, self.num_local = shard_range(self.num_classes, self.world_size, self.rank)
+        self.loss_fn: TargetLoss = build_loss(loss)
+        self.sampler_config = cfg.parse_sampler(sampler)
+        self.chunk_size, self.update, self.check_inputs = int(chunk_size), update, bool(check_inputs)
+        self.seed = int(seed)
+        self.weight = nn.Parameter(init_shard(self.num_classes, self.embedding_dim, self.class_start,
+                                              self.num_local, init_std, seed, dtype, device))
+        self.sampler = build_sampler(self.sampler_config, self.num_local, self.class_start, seed,
+                                     self.rank, self.weight.device)
+        self.last_active: Optional[ActiveSet] = None
+        log.info("ClassParallelHead rank %d/%d: classes [%d, %d) of %d, d=%d, loss=%s, sampler=%s",
+                 self.rank, self.world_size, self.class_start, self.class_start + self.num_local,
+                 self.num_classes, self.embedding_dim, self.loss_fn.describe(), self.sampler_config.type)
+
+    @classmethod
+    def from_config(cls, section, group=None, device=None) -> "ClassParallelHead":
+        """Build from the ``extreme_classification`` section (a plain dict or a HeadConfig)."""
+        c = cfg.validate_section(cfg.HeadConfig, section, cfg.HEAD_SECTION)
+        return cls(c.embedding_dim, c.num_classes, loss=c.loss, sampler=c.sampler, group=group,
+                   chunk_size=c.chunk_size, dtype=c.dtype, init_std=c.init_std, seed=c.seed,
+                   update=c.optimizer.update, check_inputs=c.check_inputs, device=device)
+
+    def extra_repr(self) -> str:
+        return (f"embedding_dim={self.embedding_dim}, num_classes={self.num_classes}, "
+                f"shard=[{self.class_start}, {self.class_start + self.num_local}), rank={self.rank}/"
+                f"{self.world_size}, sampler={self.sampler_config.type}, update={self.update}")
+
+    # ------------------------------------------------------------------ checks
+    def _check(self, embeddings: torch.Tensor, labels: torch.Tensor) -> None:
+        if embeddings.dim() != 2 or embeddings.shape[1] != self.embedding_dim:
+            raise ValueError(f"embeddings must have shape (batch, {self.embedding_dim}), got "
+                             f"{tuple(embeddings.shape)} on rank {self.rank}")
+        if not embeddings.is_floating_point():
+            raise TypeError(f"embeddings must be floating point, got {embeddings.dtype} on rank {self.rank}")
+        if labels.shape != (embeddings.shape[0],):
+            raise ValueError(f"labels must have shape ({embeddings.shape[0]},) to match the embeddings, "
+                             f"got {tuple(labels.shape)} on rank {self.rank}")
+        if labels.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+            raise TypeError(f"labels must be an integer tensor, got {labels.dtype} on rank {self.rank}")
+        if not self.check_inputs:
+            return
+        bad_label = (labels < 0) | (labels >= self.num_classes)
+        flags = torch.stack([bad_label.any(), ~torch.isfinite(embeddings).all()]).to(torch.int32)
+        if is_distributed(self.group):  # every rank learns of bad input: nobody hangs in a collective
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        if not bool(flags.any()):
+            return
+        if bad_label.any():
+            pos = int(bad_label.nonzero()[0, 0])
+            raise ValueError(f"label {int(labels[pos])} at position {pos} on rank {self.rank} is outside "
+                             f"[0, {self.num_classes})")
+        if not bool(torch.isfinite(embeddings).all()):
+            pos = int((~torch.isfinite(embeddings)).any(dim=1).nonzero()[0, 0])
+            raise FloatingPointError(f"embeddings row {pos} on rank {self.rank} contains NaN or Inf")
+        raise ValueError(f"another rank reported invalid labels or non-finite embeddings "
+                         f"(this is rank {self.rank}); see that rank's error")
+
+    # ------------------------------------------------------------------ forward
+    def gather(self, embeddings: torch.Tensor, labels: torch.Tensor,
+               batch_sizes: Optional[Sequence[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """All-gather embeddings (differentiable) and labels: (B, d), (B,) -> (N, d), (N,)."""
+        total = sum(batch_sizes) if batch_sizes is not None else embeddings.shape[0] * self.world_size
+        scale = total / max(embeddings.shape[0], 1)  # local-mean gradient convention
+        x = all_gather_rows(embeddings, self.group, batch_sizes, grad_scale=scale)
+        y = all_gather_no_grad(labels.to(torch.int64), self.group, batch_sizes)
+        return x, y
+
+    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor,
+                batch_sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """Global-batch mean loss (the same on every rank).
+
+        embeddings (B, d) and labels (B,) are this rank's share of the global batch.
+        ``batch_sizes`` lists every rank's B when they differ (None: all equal).
+        """
+        self._check(embeddings, labels)
+        x, y = self.gather(embeddings, labels, batch_sizes)  # (N, d), (N,)
+        active = self.sampler.sample(y, x.detach() if self.sampler.needs_embeddings else None, self.weight)
+        self.last_active = active
+        if active.index is None:
+            w = self.weight  # (L, d)
+        else:  # (K, d); a sparse gradient for lazy updates
+            w = F.embedding(active.index, self.weight, sparse=self.update == "lazy")
+        return sharded_margin_loss(x, w, active.targets, self.loss_fn, self.group, self.chunk_size)
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def topk(self, embeddings: torch.Tensor, k: int = 5, batch_sizes: Optional[Sequence[int]] = None,
+             chunk_size: Optional[int] = None) -> torch.Tensor:
+        """Global class ids of the k best classes over ALL classes for this rank's rows: (B, k).
+
+        Class-parallel: every rank scores the gathered batch against its shard (cosine for
+        margin losses, x.w for softmax), in row chunks, and the per-shard top-k are merged.
+        Every rank of the group must call it with its own batch.
+        """
+        k = min(k, self.num_classes)
+        x = all_gather_no_grad(embeddings, self.group, batch_sizes).to(self.weight.dtype)  # (N, d)
+        w = self.weight
+        if self.loss_fn.normalised:
+            w = F.normalize(w.float(), dim=1).to(w.dtype)
+            x = F.normalize(x.float(), dim=1).to(w.dtype)
+        n = x.shape[0]
+        step = chunk_size or self.chunk_size or n
+        kl = min(k, self.num_local)
+        vals = torch.empty((n, kl), dtype=torch.float32, device=x.device)
+        ids = torch.empty((n, kl), dtype=torch.int64, device=x.device)
+        for a in range(0, n, max(step, 1)):
+            v, i = torch.topk((x[a: a + step] @ w.t()).float(), kl, dim=1)  # (n, kl)
+            vals[a: a + step], ids[a: a + step] = v, i + self.class_start
+        if is_distributed(self.group):
+            vals = _gather_stack(vals, self.group)  # (P, N, kl)
+            ids = _gather_stack(ids, self.group)
+            vals = vals.permute(1, 0, 2).reshape(n, -1)  # (N, P*kl)
+            ids = ids.permute(1, 0, 2).reshape(n, -1)
+        best = torch.topk(vals, k, dim=1).indices
+        ids = ids.gather(1, best)  # (N, k)
+        if batch_sizes is None:
+            b = embeddings.shape[0]
+            return ids[self.rank * b: (self.rank + 1) * b]
+        start = sum(batch_sizes[: self.rank])
+        return ids[start: start + batch_sizes[self.rank]]
+
+    # ------------------------------------------------------------------ state
+    def get_extra_state(self) -> dict:
+        return {"num_classes": self.num_classes, "class_start": self.class_start,
+                "num_local": self.num_local, "world_size": self.world_size, "rank": self.rank,
+                "embedding_dim": self.embedding_dim, "sampler": self.sampler.state_dict()}
+
+    def set_extra_state(self, state: dict) -> None:
+        mine = (self.num_classes, self.class_start, self.num_local, self.embedding_dim)
+        theirs = (state["num_classes"], state["class_start"], state["num_local"], state["embedding_dim"])
+        if mine != theirs:
+            raise RuntimeError(
+                f"head shard mismatch on rank {self.rank}: the checkpoint holds classes "
+                f"[{theirs[1]}, {theirs[1] + theirs[2]}) of {theirs[0]} (d={theirs[3]}, world size "
+                f"{state['world_size']}), this head expects [{mine[1]}, {mine[1] + mine[2]}) of {mine[0]} "
+                f"(d={mine[3]}, world size {self.world_size}); reshard the checkpoint to this world size")
+        self.sampler.load_state_dict(state["sampler"])
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # check the shard's identity before torch reports a bare size mismatch of the weight
+        extra = state_dict.get(prefix + "_extra_state")
+        if isinstance(extra, dict):
+            self.set_extra_state(extra)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        self.sampler.to(self.weight.device)
+        return out
+
+
+def _gather_stack(t: torch.Tensor, group) -> torch.Tensor:
+    """(N, k) on each rank -> (P, N, k)."""
+    out = t.new_empty((group_size(group),) + tuple(t.shape))
+    dist.all_gather_into_tensor(out, t.contiguous(), group=group)
+    return out

@@ -1,0 +1,191 @@
+"""Class-sharded softmax / margin cross entropy, fused with its gradient, in row chunks.
+
+Legend: N rows of the global batch, K active classes of this shard, d embedding dim,
+n rows of one chunk.
+
+Each rank holds K of the classes. For every chunk of rows it computes the chunk's logits
+(n, K), all-reduces the row max and then [sum-exp, target term] over the group, and,
+because the loss is the last operation of the graph, turns the logits buffer straight
+into d(loss)/d(logits) and multiplies it out into the gradients of the embeddings
+(N, d) and of the active weight rows (K, d). The (N, K) logits never exist at once
+(Cut Cross-Entropy and Liger's fused linear cross entropy do the same in one process);
+backward only rescales the stored gradients by ``grad_output``.
+
+Cosine losses never materialise normalised copies of x or W: logits are x.W^T scaled by
+the inverse row norms, and the normalisation's backward is applied at the end
+(dw_j = G_j - rw_j^2 <W_j, G_j> W_j with G = (g * rw)^T xn).
+
+The maths in :func:`_chunk_step` is plain tensor code; communication goes through a
+``Reducer`` so that one process can test the maths alone.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ds_xc.head.margins import TargetLoss
+from ds_xc.parallel.groups import is_distributed
+
+__all__ = ["sharded_margin_loss", "Reducer"]
+
+_EPS = 1e-12
+
+
+class Reducer:
+    """All-reduces over ``group`` (no-ops with one rank). In place, returns the tensor."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self.active = is_distributed(group)
+
+    def max_(self, t: torch.Tensor) -> torch.Tensor:
+        if self.active:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        if self.active:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return t
+
+
+def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax statistics run in at least float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _chunk_step(x, w, rw, t, loss: TargetLoss, red: Reducer, need_grad: bool):
+    """Loss rows of one chunk and, if asked, d(sum of loss rows)/d(cosine or raw logits).
+
+    x (n, d) chunk rows; w (K, d) active weights; rw (K,) inverse row norms (cosine losses)
+    or None; t (n,) target column in [0, K) or -1 when the target lives elsewhere.
+    Returns (loss (n,), g (n, K) or None, rx (n,) or None). ``g`` is the gradient with
+    respect to the cosine matrix for normalised losses (raw logits otherwise).
+    """
+    sd = _stat_dtype(w.dtype)
+    logits = x @ w.t()  # (n, K)
+    if logits.dtype != sd:
+        logits = logits.to(sd)
+    rx = None
+    if loss.normalised:
+        rx = 1.0 / x.to(sd).norm(dim=1).clamp_min(_EPS)  # (n,)
+        logits.mul_(rx[:, None]).mul_(rw[None, :].to(sd))  # now cosines
+    has_t = t >= 0
+    tt = torch.where(has_t, t, torch.zeros_like(t))[:, None]  # (n, 1)
+    c_t = torch.where(has_t, logits.gather(1, tt).squeeze(1), torch.zeros((), dtype=sd, device=x.device))
+    if loss.normalised:
+        logits.mul_(loss.scale)
+
+    if loss.separate_target:  # D-Softmax: the target leaves the partition function
+        logits.scatter_(1, tt, torch.where(has_t, float("-inf"), logits.gather(1, tt).squeeze(1))[:, None])
+        m = red.max_(logits.max(dim=1).values).clamp_min_(0.0)  # the "1 +" term is logit 0
+    else:
+        z_t, dz_t = loss.target_logit(c_t)
+        z_t = torch.where(has_t, z_t, logits.gather(1, tt).squeeze(1))
+        logits.scatter_(1, tt, z_t[:, None])
+        m = red.max_(logits.max(dim=1).values)  # (n,)
+
+    e = logits.sub_(m[:, None]).exp_()  # (n, K), reuses the logits buffer
+    stats = torch.stack([e.sum(dim=1), c_t if loss.separate_target else torch.where(has_t, z_t, 0.0)], 1)
+    red.sum_(stats)  # (n, 2): sum-exp over all classes, target term (lives on exactly one rank)
+    sumexp, target = stats[:, 0], stats[:, 1]
+    if loss.separate_target:
+        sumexp = sumexp + torch.exp(-m)
+        intra, d_intra = loss.target_term(target)
+        rows = m + torch.log(sumexp) + intra
+    else:
+        rows = m + torch.log(sumexp) - target
+    if not need_grad:
+        return rows, None, rx
+
+    g = e.div_(sumexp[:, None])  # softmax probabilities = d(rows)/d(logits) off the target
+    p_t = g.gather(1, tt).squeeze(1)
+    if loss.separate_target:
+        g_t = d_intra
+    else:
+        g_t = (p_t - 1.0) * dz_t
+    if loss.normalised:
+        g.mul_(loss.scale)  # d logits / d cos = s off the target
+    g.scatter_(1, tt, torch.where(has_t, g_t, g.gather(1, tt).squeeze(1))[:, None])
+    return rows, g, rx
+
+
+class _ShardedMarginLoss(torch.autograd.Function):
+    """forward: mean loss over the N rows (and the gradients, computed on the fly);
+    backward: the stored gradients times grad_output."""
+
+    @staticmethod
+    def forward(ctx, x, w, targets, loss, group, chunk_size):
+        need_gx, need_gw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_grad = need_gx or need_gw
+        red = Reducer(group)
+        n_rows, k = x.shape[0], w.shape[0]
+        sd = _stat_dtype(w.dtype)
+        xw = x.to(w.dtype)
+        rw = (1.0 / w.to(sd).norm(dim=1).clamp_min(_EPS)) if loss.normalised else None  # (K,)
+        gx = torch.empty(x.shape, dtype=sd, device=x.device) if need_gx else None  # (N, d)
+        gw = torch.zeros((k, w.shape[1]), dtype=sd, device=w.device) if need_gw else None  # (K, d)
+        total = torch.zeros((), dtype=sd, device=x.device)
+        step = chunk_size if chunk_size > 0 else max(n_rows, 1)
+        for a in range(0, n_rows, step):
+            xc = xw[a: a + step]
+            rows, g, rx = _chunk_step(xc, w, rw, targets[a: a + step], loss, red, need_grad)
+            total += rows.sum()
+            if g is None:
+                continue
+            if loss.normalised:
+                g.mul_(rw[None, :])  # g' = g * rw: folds the weight norm into the products
+                xn = xc.to(sd) * rx[:, None]  # (n, d)
+                if need_gx:
+                    gxn = (g.to(w.dtype) @ w).to(sd)  # d/d(xn), (n, d)
+                    radial = (gxn * xn).sum(dim=1, keepdim=True)
+                    gx[a: a + step] = (gxn - xn * radial) * rx[:, None]
+                if need_gw:
+                    gw += (g.t().to(w.dtype) @ xn.to(w.dtype)).to(sd)  # (K, d) = rw * d/d(wn)
+            else:
+                if need_gx:
+                    gx[a: a + step] = (g.to(w.dtype) @ w).to(sd)
+                if need_gw:
+                    gw += (g.t().to(w.dtype) @ xc).to(sd)
+            del g
+        if need_gw and loss.normalised:
+            # d/dW of the row normalisation: G_j - rw_j^2 <W_j, G_j> W_j, row-wise, no (K, d) temporary
+            wf = w.to(sd)
+            radial = torch.bmm(wf.unsqueeze(1), gw.unsqueeze(2)).view(k)  # (K,)
+            gw.addcmul_(wf, (rw * rw * radial)[:, None], value=-1.0)
+        ctx.grads = (gx, gw)
+        ctx.n_rows = max(n_rows, 1)
+        ctx.dtypes = (x.dtype, w.dtype)
+        return total / ctx.n_rows
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if ctx.grads is None:
+            raise RuntimeError("the ds_xc head's backward ran twice on one forward; "
+                               "retain_graph is not supported by the fused loss")
+        gx, gw = ctx.grads
+        ctx.grads = None  # release our references: autograd may adopt the buffers as .grad
+        scale = grad_out / ctx.n_rows
+        if gx is not None:
+            gx = gx.mul_(scale).to(ctx.dtypes[0])
+        if gw is not None:
+            gw = gw.mul_(scale).to(ctx.dtypes[1])
+        return gx, gw, None, None, None, None
+
+
+def sharded_margin_loss(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, loss: TargetLoss,
+                        group=None, chunk_size: int = 0) -> torch.Tensor:
+    """Mean loss over the rows of ``x`` for classes sharded over ``group``.
+
+    x (N, d): the global batch (identical on every rank); w (K, d): this rank's active
+    class rows; targets (N,): column of each row's class in ``w``, or -1 where the class
+    is on another rank. Every class of the batch must be active on exactly one rank.
+    Gradients follow the loss value (the global mean); ``chunk_size`` rows per chunk (0: all).
+    """
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"expected x (N, d) and w (K, d) with equal d, got {tuple(x.shape)} and {tuple(w.shape)}")
+    if targets.shape != (x.shape[0],):
+        raise ValueError(f"targets must have shape ({x.shape[0]},), got {tuple(targets.shape)}")
+    return _ShardedMarginLoss.apply(x, w, targets, loss, group, int(chunk_size))
