@@ -243,6 +243,7 @@ class ClassParallelHead(nn.Module):
 
 def _gather_stack(t: torch.Tensor, group) -> torch.Tensor:
     """(N, k) on each rank -> (P, N, k)."""
-    out = t.new_empty((group_size(group),) + tuple(t.shape))
+    world = group_size(group)
+    out = t.new_empty((world * t.shape[0],) + tuple(t.shape[1:]))  # gloo wants a flat (P*N, k)
     dist.all_gather_into_tensor(out, t.contiguous(), group=group)
-    return out
+    return out.view((world,) + tuple(t.shape))

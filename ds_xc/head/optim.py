@@ -24,6 +24,8 @@ def _rows(p: torch.Tensor):
     """(row ids (R,) or None for all rows, gradient rows (R, d))."""
     g = p.grad
     if g.is_sparse:
+        if g.sparse_dim() != 1:  # element-wise COO: not row-sparse, treat as dense
+            return None, g.to_dense()
         g = g.coalesce()
         return g.indices()[0], g.values()
     return None, g

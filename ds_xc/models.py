@@ -1,0 +1,86 @@
+"""Small backbones for the built-in data sets (CPU-trainable, a few hundred K parameters).
+
+ds_xc does not own the user's backbone; these exist so that the launcher, tests and
+benchmarks have something to train. ``build_backbone`` picks one from the data set's
+``input_kind``; both map inputs (B, ...) to embeddings (B, embedding_dim) float32.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import Tensor, nn
+
+from ds_xc.data.base import XCDataset
+
+logger = logging.getLogger(__name__)
+
+
+def _mlp(in_dim: int, hidden_dim: int, out_dim: int) -> nn.Sequential:
+    """in -> hidden -> hidden -> out with GELU; LayerNorm keeps the hidden scale stable."""
+    return nn.Sequential(
+        nn.Linear(in_dim, hidden_dim),
+        nn.GELU(),
+        nn.LayerNorm(hidden_dim),
+        nn.Linear(hidden_dim, hidden_dim),
+        nn.GELU(),
+        nn.LayerNorm(hidden_dim),
+        nn.Linear(hidden_dim, out_dim),
+    )
+
+
+class DenseBackbone(nn.Module):
+    """MLP for dense inputs: (B, input_dim) float -> (B, embedding_dim)."""
+
+    def __init__(self, input_dim: int, embedding_dim: int, hidden_dim: int = 256) -> None:
+        super().__init__()
+        self.mlp = _mlp(input_dim, hidden_dim, embedding_dim)
+
+    def forward(self, x_BI: Tensor) -> Tensor:
+        return self.mlp(x_BI.float())
+
+
+class TokenBackbone(nn.Module):
+    """Embeds each of the ``context`` input tokens and concatenates them in order
+    (so the model knows which word came last), then an MLP.
+
+    (B, context) int64 -> (B, context, hidden) -> (B, context*hidden) -> (B, embedding_dim)
+    """
+
+    def __init__(
+        self, vocab_size: int, context: int, embedding_dim: int, hidden_dim: int = 256
+    ) -> None:
+        super().__init__()
+        self.context = context
+        self.embed = nn.Embedding(vocab_size, hidden_dim)
+        self.mlp = _mlp(context * hidden_dim, hidden_dim, embedding_dim)
+
+    def forward(self, tokens_BK: Tensor) -> Tensor:
+        if tokens_BK.dim() != 2 or tokens_BK.shape[1] != self.context:
+            raise ValueError(
+                f"tokens shape {tuple(tokens_BK.shape)} is invalid: expected (B, {self.context})"
+            )
+        h_BKH = self.embed(tokens_BK)
+        return self.mlp(h_BKH.flatten(1))
+
+
+# input_kind -> constructor from (dataset, embedding_dim, hidden_dim)
+BACKBONES = {
+    "dense": lambda ds, emb, hid: DenseBackbone(ds.input_dim, emb, hid),
+    "tokens": lambda ds, emb, hid: TokenBackbone(ds.input_dim, ds.context, emb, hid),
+}
+
+
+def build_backbone(dataset: XCDataset, embedding_dim: int, hidden_dim: int = 256) -> nn.Module:
+    """The backbone matching ``dataset.input_kind``, mapping its inputs to (B, embedding_dim)."""
+    if embedding_dim < 1:
+        raise ValueError(f"embedding_dim={embedding_dim} is invalid: must be >= 1")
+    if hidden_dim < 1:
+        raise ValueError(f"hidden_dim={hidden_dim} is invalid: must be >= 1")
+    kind = dataset.input_kind
+    if kind not in BACKBONES:
+        raise ValueError(f"dataset.input_kind={kind!r} is invalid: allowed {sorted(BACKBONES)}")
+    model = BACKBONES[kind](dataset, embedding_dim, hidden_dim)
+    num_params = sum(p.numel() for p in model.parameters())
+    logger.info("backbone %s for %s: %d parameters", type(model).__name__, kind, num_params)
+    return model

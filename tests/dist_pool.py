@@ -1,0 +1,88 @@
+"""A pool of spawned gloo processes that runs test functions on every rank.
+
+Spawning a rank and importing torch costs seconds, so one pool per world size serves
+the whole test session. ``pool.run(fn, *args)`` calls the importable function ``fn`` on
+every rank as ``fn(rank, world_size, *args)`` and returns the results in rank order;
+an exception on any rank fails the call with that rank's traceback.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from datetime import timedelta
+
+_TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, tasks, results) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    while True:
+        item = tasks.get()
+        if item is None:
+            break
+        fn, args = item
+        try:
+            results.put((rank, True, fn(rank, world, *args)))
+        except BaseException:  # report, keep serving
+            results.put((rank, False, traceback.format_exc()))
+    try:
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+class DistPool:
+    def __init__(self, world_size: int):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        port = free_port()
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results),
+                                  daemon=True) for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, *args, timeout: float = _TIMEOUT_S) -> list:
+        for q in self.tasks:
+            q.put((fn, args))
+        out, errors = [None] * self.world_size, []
+        for _ in range(self.world_size):
+            try:
+                rank, ok, value = self.results.get(timeout=timeout)
+            except queue.Empty:
+                self.close(force=True)
+                raise TimeoutError(f"{fn.__name__} did not finish on all ranks within {timeout} s") from None
+            if ok:
+                out[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+        if errors:
+            raise RuntimeError(f"{fn.__name__} failed:\n" + "\n".join(errors))
+        return out
+
+    def close(self, force: bool = False) -> None:
+        if not force:
+            for q in self.tasks:
+                q.put(None)
+            for p in self.procs:
+                p.join(timeout=20)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
