@@ -28,7 +28,7 @@ from ds_xc.head import ClassParallelHead, build_head_optimizer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["initialize", "XCEngine", "check_supported", "load_raw_config"]
+__all__ = ["initialize", "init_distributed", "XCEngine", "check_supported", "load_raw_config"]
 
 
 def load_raw_config(config=None, args=None) -> dict:
@@ -59,6 +59,23 @@ def _cpu_friendly_deepspeed():
     if not torch.cuda.is_available():
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     return deepspeed
+
+
+def init_distributed(timeout_s: float = 1800.0) -> None:
+    """Start torch.distributed the way DeepSpeed does (gloo on CPU, NCCL on GPU).
+
+    Without launcher variables (a plain ``python train.py``) it starts a one-process group.
+    """
+    import datetime
+    import socket
+    if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    deepspeed = _cpu_friendly_deepspeed()
+    deepspeed.init_distributed(timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _base_lr(raw: dict, optimizer) -> Optional[float]:

@@ -133,3 +133,11 @@ def test_head_arguments_validated_like_config():
 def test_public_api():
     for name in ("ClassParallelHead", "parse_config", "ConfigError", "initialize"):
         assert hasattr(ds_xc, name)
+
+
+def test_config_reference_page_is_up_to_date():
+    import subprocess
+    import sys
+    root = __file__.rsplit("/tests/", 1)[0]
+    proc = subprocess.run([sys.executable, f"{root}/launch/config_docs.py", "--check"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -112,6 +112,14 @@ def _chunk_step(x, w, rw, t, loss: TargetLoss, red: Reducer, need_grad: bool):
     return rows, g, rx
 
 
+def _accumulate(gw: torch.Tensor, g: torch.Tensor, x: torch.Tensor) -> None:
+    """gw (K, d) += g^T (K, n) @ x (n, d), in place (no (K, d) temporary in the common case)."""
+    if g.dtype == gw.dtype and x.dtype == gw.dtype:
+        gw.addmm_(g.t(), x)
+    else:  # low-precision weights: multiply in their dtype, accumulate in float32
+        gw += (g.t().to(x.dtype) @ x).to(gw.dtype)
+
+
 class _ShardedMarginLoss(torch.autograd.Function):
     """forward: mean loss over the N rows (and the gradients, computed on the fly);
     backward: the stored gradients times grad_output."""
@@ -143,12 +151,12 @@ class _ShardedMarginLoss(torch.autograd.Function):
                     radial = (gxn * xn).sum(dim=1, keepdim=True)
                     gx[a: a + step] = (gxn - xn * radial) * rx[:, None]
                 if need_gw:
-                    gw += (g.t().to(w.dtype) @ xn.to(w.dtype)).to(sd)  # (K, d) = rw * d/d(wn)
+                    _accumulate(gw, g, xn)  # (K, d) += g'^T xn = rw * d/d(wn)
             else:
                 if need_gx:
                     gx[a: a + step] = (g.to(w.dtype) @ w).to(sd)
                 if need_gw:
-                    gw += (g.t().to(w.dtype) @ xc).to(sd)
+                    _accumulate(gw, g, xc)
             del g
         if need_gw and loss.normalised:
             # d/dW of the row normalisation: G_j - rw_j^2 <W_j, G_j> W_j, row-wise, no (K, d) temporary

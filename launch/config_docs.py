@@ -1,0 +1,95 @@
+"""Write docs/config.md, the reference of every ds_xc config section, from the pydantic models.
+
+    python launch/config_docs.py            # rewrite docs/config.md
+    python launch/config_docs.py --check    # exit 1 if docs/config.md is out of date
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import typing
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pydantic import BaseModel  # noqa: E402
+
+from ds_xc import config as cfg  # noqa: E402
+
+OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "config.md")
+
+
+def _bounds(field) -> str:
+    parts = []
+    for m in field.metadata:
+        for attr, sym in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
+            v = getattr(m, attr, None)
+            if v is not None:
+                parts.append(f"{sym} {v:g}" if isinstance(v, float) else f"{sym} {v}")
+    return ", ".join(parts)
+
+
+def _type(annotation) -> str:
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is typing.Union:
+        return "object, chosen by `type`"
+    if typing.get_origin(annotation) is typing.Literal:
+        return " \\| ".join(repr(a) for a in args)
+    return getattr(annotation, "__name__", str(annotation)).replace("typing.", "")
+
+
+def _default(field) -> str:
+    if field.is_required():
+        return "**required**"
+    if field.default_factory is not None:
+        return "see below"
+    return f"`{field.default!r}`"
+
+
+def model_table(model: type[BaseModel], path: str) -> list[str]:
+    lines = [f"### `{path}`", "", (model.__doc__ or "").strip(), "",
+             "| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
+    for name, field in model.model_fields.items():
+        lines.append(f"| `{name}` | {_type(field.annotation)} | {_default(field)} | {_bounds(field)} | "
+                     f"{field.description or ''} |")
+    return lines + [""]
+
+
+def render() -> str:
+    out = ["# ds_xc configuration reference", "",
+           "Generated from the pydantic models in `ds_xc/config.py` by `python launch/config_docs.py`;",
+           "a test fails when this page and the models disagree. Every section lives at the top level",
+           "of the DeepSpeed JSON next to DeepSpeed's own keys. Unknown keys are errors, and an error",
+           "names the key path, the value and what is allowed.", ""]
+    out += ["## extreme_classification", ""] + model_table(cfg.HeadConfig, "extreme_classification")
+    out += ["`loss` is one of the following, chosen by `type`:", ""]
+    for m in (cfg.SoftmaxLoss, cfg.CosFaceLoss, cfg.ArcFaceLoss, cfg.CombinedLoss, cfg.DSoftmaxLoss):
+        out += model_table(m, f"extreme_classification.loss (type {m.model_fields['type'].annotation.__args__[0]!r})")
+    out += ["`sampler` is one of the following, chosen by `type`:", ""]
+    for m in typing.get_args(typing.get_args(cfg.SamplerConfig)[0]):
+        out += model_table(m, f"extreme_classification.sampler (type {m.model_fields['type'].annotation.__args__[0]!r})")
+    out += model_table(cfg.HeadOptimizerConfig, "extreme_classification.optimizer")
+    out += ["## xc_train", ""] + model_table(cfg.TrainConfig, "xc_train")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--check", action="store_true")
+    args = p.parse_args()
+    text = render()
+    if args.check:
+        with open(OUT) as fh:
+            if fh.read() != text:
+                print(f"{OUT} is out of date: run python launch/config_docs.py")
+                return 1
+        return 0
+    os.makedirs(os.path.dirname(OUT), exist_ok=True)
+    with open(OUT, "w") as fh:
+        fh.write(text)
+    print(f"wrote {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""The main job: train a backbone + class-parallel head with DeepSpeed on built-in data.
+
+    deepspeed launch/train.py                                   # configs/default.json, 1 process
+    deepspeed --num_gpus 2 launch/train.py --deepspeed_config configs/X.json
+    torchrun --nproc_per_node 2 launch/train.py --max_steps 100
+
+The DeepSpeed JSON holds the engine's sections, the head (``extreme_classification``)
+and this job (``xc_train``); the flags below override the file. Only rank 0 prints.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+import ds_xc  # noqa: E402
+from ds_xc.data import build_dataset  # noqa: E402
+from ds_xc.engine import init_distributed, load_raw_config  # noqa: E402
+from ds_xc.evaluate import evaluate_topk  # noqa: E402
+from ds_xc.models import build_backbone  # noqa: E402
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.json")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--deepspeed_config", default=DEFAULT_CONFIG, help="DeepSpeed JSON with ds_xc sections")
+    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
+    p.add_argument("--max_steps", type=int, help="override xc_train.max_steps")
+    p.add_argument("--data", choices=["text", "synthetic"], help="override xc_train.data")
+    p.add_argument("--num_classes", type=int, help="override extreme_classification.num_classes")
+    p.add_argument("--eval_every", type=int, help="override xc_train.eval_every (0: only at the end)")
+    p.add_argument("--save_dir", help="checkpoint folder (saved at the end and every xc_train.save_every)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save_dir")
+    p.add_argument("--verbose", action="store_true", help="show DeepSpeed's and ds_xc's INFO logs")
+    return p.parse_args(argv)
+
+
+def build_config(args) -> dict:
+    raw = load_raw_config(args.deepspeed_config)
+    head, train = raw.setdefault("extreme_classification", {}), raw.setdefault("xc_train", {})
+    for key, section, value in [("num_classes", head, args.num_classes), ("max_steps", train, args.max_steps),
+                                ("data", train, args.data), ("eval_every", train, args.eval_every)]:
+        if value is not None:
+            section[key] = value
+    return raw
+
+
+def say(*msg) -> None:
+    if dist.get_rank() == 0:
+        print(*msg, flush=True)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    if not args.verbose:
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if "OMP_NUM_THREADS" not in os.environ:  # share the cores between the ranks of this machine
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    raw = build_config(args)
+    xcfg = ds_xc.parse_config(raw)
+    tcfg, hcfg = xcfg.xc_train, xcfg.extreme_classification
+    if tcfg.data == "text":
+        say("preparing the text data set (tokenising the Python standard library, cached afterwards)...")
+    if rank != 0:
+        dist.barrier()  # rank 0 builds any cache first
+    data_kwargs = {"context": tcfg.context} if tcfg.data == "text" else {}
+    data = build_dataset(tcfg.data, hcfg.num_classes, seed=tcfg.seed, **data_kwargs)
+    if rank == 0:
+        dist.barrier()
+    torch.manual_seed(tcfg.seed)
+    backbone = build_backbone(data, hcfg.embedding_dim, hidden_dim=tcfg.hidden_dim)
+    xc = ds_xc.initialize(model=backbone, config=raw)
+    micro, gas = xc.engine.train_micro_batch_size_per_gpu(), xc.engine.gradient_accumulation_steps()
+    cast = torch.bfloat16 if xc.engine.bfloat16_enabled() and data.input_kind == "dense" else None
+
+    start = 0
+    if args.resume:
+        if not args.save_dir:
+            raise SystemExit("--resume needs --save_dir")
+        state = xc.load_checkpoint(args.save_dir)
+        start = state["step"] if state else 0
+        say(f"resumed from {args.save_dir} at step {start}" if state else "no checkpoint found; starting fresh")
+    say(f"ds_xc: {data.describe()['name']} data, {hcfg.num_classes} classes on {world} rank(s), "
+        f"loss={hcfg.loss.type}, sampler={hcfg.sampler.type}, global batch {micro * gas * world}, "
+        f"steps {start}->{tcfg.max_steps}")
+
+    def evaluate() -> dict:
+        xc.eval()
+        embed = (lambda x: xc.engine(x.to(cast))) if cast else xc.engine
+        res = evaluate_topk(embed, xc.head, data.eval_batches(micro, rank, world, tcfg.eval_samples),
+                            device=xc.engine.device)
+        xc.train()
+        return res
+
+    def save(step: int) -> None:
+        if args.save_dir:
+            xc.save_checkpoint(args.save_dir, tag=f"step{step}", client_state={"step": step})
+
+    bar = None
+    if rank == 0:
+        from tqdm import tqdm
+        bar = tqdm(total=tcfg.max_steps, initial=start, unit="step", dynamic_ncols=True)
+    monitor = xc.engine.monitor if getattr(xc.engine.monitor, "enabled", False) else None
+    t0, samples, ev = time.perf_counter(), 0, {}
+    for step in range(start, tcfg.max_steps):
+        for m in range(gas):
+            x, y = data.train_batch(step * gas + m, micro, rank, world)
+            x, y = x.to(xc.engine.device), y.to(xc.engine.device)
+            loss = xc(x.to(cast) if cast else x, y)
+            xc.backward(loss)
+            xc.step()
+        samples += micro * gas * world
+        done = step + 1
+        if done % tcfg.log_every == 0 or done == tcfg.max_steps:
+            rate = samples / (time.perf_counter() - t0)
+            if bar is not None:
+                bar.set_postfix(loss=f"{loss.item():.3f}", samples_s=f"{rate:.0f}", **{
+                    k: f"{v:.3f}" for k, v in ev.items() if k.startswith("top")})
+            if monitor is not None:
+                monitor.write_events([("Train/loss", loss.item(), done), ("Train/samples_per_s", rate, done)])
+        if bar is not None:
+            bar.update(1)
+        if tcfg.eval_every and done % tcfg.eval_every == 0 and done != tcfg.max_steps:
+            ev = evaluate()
+            if monitor is not None:
+                monitor.write_events([(f"Eval/{k}", v, done) for k, v in ev.items() if k.startswith("top")])
+        if tcfg.save_every and done % tcfg.save_every == 0 and done != tcfg.max_steps:
+            save(done)
+    elapsed = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    ev = evaluate()
+    save(tcfg.max_steps)
+    summary = {"steps": tcfg.max_steps - start, "samples_per_s": samples / max(elapsed, 1e-9),
+               "top1": ev["top1"], "top5": ev["top5"], "eval_samples": ev["samples"],
+               "final_loss": loss.item() if tcfg.max_steps > start else float("nan"), "seconds": elapsed}
+    say(f"done: {summary['steps']} steps in {elapsed:.1f} s, {summary['samples_per_s']:.0f} samples/s, "
+        f"final loss {summary['final_loss']:.4f}, held-out top-1 {ev['top1']:.4f} top-5 {ev['top5']:.4f} "
+        f"({ev['samples']} samples)")
+    dist.barrier()
+    dist.destroy_process_group()
+    return summary
+
+
+if __name__ == "__main__":
+    main()
