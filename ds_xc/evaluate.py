@@ -24,12 +24,12 @@ def evaluate_topk(embed: Callable[[torch.Tensor], torch.Tensor], head, batches: 
     ``embed`` maps inputs to embeddings (the backbone, already in eval mode).
     """
     kmax = max(ks)
-    hits = torch.zeros(len(ks) + 1, dtype=torch.float64)
+    hits = torch.zeros(len(ks) + 1, dtype=torch.float64, device=head.weight.device)  # NCCL needs device tensors
     for inputs, labels in batches:
         if device is not None:
             inputs, labels = inputs.to(device), labels.to(device)
-        top = head.topk(embed(inputs), k=kmax).cpu()  # (B, kmax) global class ids
-        match = top == labels.cpu()[:, None]
+        top = head.topk(embed(inputs), k=kmax)  # (B, kmax) global class ids
+        match = top == labels.to(top.device)[:, None]
         for i, k in enumerate(ks):
             hits[i] += match[:, :k].any(dim=1).sum()
         hits[-1] += labels.shape[0]

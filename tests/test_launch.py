@@ -15,6 +15,7 @@ DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
 
 def _config(tmp_path, **head):
     cfg = {
+        "csv_monitor": {"enabled": True, "output_path": str(tmp_path / "logs"), "job_name": "xc"},
         "train_micro_batch_size_per_gpu": 32, "gradient_clipping": 0.0, "steps_per_print": 10**6,
         "optimizer": {"type": "AdamW", "params": {"lr": 0.003, "torch_adam": True}},
         "extreme_classification": dict({"num_classes": 301, "embedding_dim": 32, "chunk_size": 16,
@@ -51,6 +52,9 @@ def test_one_rank_trains_and_reports(tmp_path):
     steps, top1, top5, n = _summary(out)
     assert steps == 6 and n == 256 and 0.0 <= top1 <= top5 <= 1.0
     assert out.count("done:") == 1  # printed by rank 0 only
+    logs = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "logs") for f in fs]
+    names = " ".join(os.path.basename(f) for f in logs)
+    assert "Train_loss" in names and "Eval_top1" in names, names
 
 
 @pytest.mark.slow
