@@ -25,7 +25,7 @@ from ds_xc import config as cfg
 from ds_xc.head.margins import TargetLoss, build_loss
 from ds_xc.head.partition import shard_range
 from ds_xc.head.softmax import sharded_margin_loss
-from ds_xc.parallel.collectives import all_gather_no_grad, all_gather_rows
+from ds_xc.parallel.collectives import all_gather_no_grad, all_gather_rows, gather_flat
 from ds_xc.parallel.groups import group_rank, group_size, is_distributed
 from ds_xc.sampling import ActiveSet, build_sampler
 
@@ -245,5 +245,5 @@ def _gather_stack(t: torch.Tensor, group) -> torch.Tensor:
     """(N, k) on each rank -> (P, N, k)."""
     world = group_size(group)
     out = t.new_empty((world * t.shape[0],) + tuple(t.shape[1:]))  # gloo wants a flat (P*N, k)
-    dist.all_gather_into_tensor(out, t.contiguous(), group=group)
+    gather_flat(out, t.contiguous(), group=group)
     return out.view((world,) + tuple(t.shape))

@@ -17,7 +17,21 @@ import torch.distributed as dist
 
 from ds_xc.parallel.groups import group_rank, group_size, is_distributed
 
-__all__ = ["all_gather_rows", "all_gather_no_grad", "exchange_sizes"]
+__all__ = ["all_gather_rows", "all_gather_no_grad", "exchange_sizes", "gather_flat", "reduce_scatter_flat"]
+
+# torch 2.13 renamed the flat-tensor collectives; keep older torch (>= 2.4) working too
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def gather_flat(out: torch.Tensor, x: torch.Tensor, group=None, async_op: bool = False):
+    """All-gather equal blocks ``x`` (n, ...) into ``out`` (P*n, ...), rank order."""
+    return _ALL_GATHER(out, x, group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(out: torch.Tensor, x: torch.Tensor, group=None, async_op: bool = False):
+    """Sum ``x`` (P*n, ...) over ranks and keep this rank's block in ``out`` (n, ...)."""
+    return _REDUCE_SCATTER(out, x, group=group, async_op=async_op)
 
 
 def exchange_sizes(num_rows: int, group=None, device=None) -> list[int]:
@@ -26,7 +40,7 @@ def exchange_sizes(num_rows: int, group=None, device=None) -> list[int]:
         return [num_rows]
     t = torch.tensor([num_rows], dtype=torch.int64, device=device)
     out = torch.empty(group_size(group), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(out, t, group=group)
+    gather_flat(out, t, group=group)
     return [int(v) for v in out.tolist()]
 
 
@@ -39,7 +53,7 @@ def _gather(x: torch.Tensor, group, sizes: Optional[Sequence[int]]) -> torch.Ten
         pad = x.new_zeros((rows - x.shape[0],) + tuple(x.shape[1:]))
         x = torch.cat([x, pad], 0)
     out = x.new_empty((world * rows,) + tuple(x.shape[1:]))
-    dist.all_gather_into_tensor(out, x, group=group)
+    gather_flat(out, x, group=group)
     if sizes is None or all(s == rows for s in sizes):
         return out
     return torch.cat([out[r * rows: r * rows + s] for r, s in enumerate(sizes)], 0)
@@ -52,7 +66,7 @@ def _reduce_scatter(g: torch.Tensor, group, sizes: Optional[Sequence[int]]) -> t
     if sizes is None:
         rows = g.shape[0] // world
         out = g.new_empty((rows,) + tuple(g.shape[1:]))
-        dist.reduce_scatter_tensor(out, g, group=group)
+        reduce_scatter_flat(out, g, group=group)
         return out
     rows = max(sizes)
     padded = g.new_zeros((world * rows,) + tuple(g.shape[1:]))
@@ -61,7 +75,7 @@ def _reduce_scatter(g: torch.Tensor, group, sizes: Optional[Sequence[int]]) -> t
         padded[r * rows: r * rows + s] = g[offset: offset + s]
         offset += s
     out = g.new_empty((rows,) + tuple(g.shape[1:]))
-    dist.reduce_scatter_tensor(out, padded, group=group)
+    reduce_scatter_flat(out, padded, group=group)
     return out[: sizes[rank]]
 
 
