@@ -4,7 +4,7 @@ import copy
 import pytest
 import torch
 
-from ds_xc.head.optim import LazyAdamW, LazySGD
+from ds_xc.head.optim import HeadAdamW, HeadSGD
 
 
 def _param(seed=0):
@@ -19,26 +19,28 @@ def _grads(steps, seed=1):
 
 @pytest.mark.parametrize("make", [
     (lambda p: torch.optim.SGD([p], lr=0.1, momentum=0.9, weight_decay=0.01),
-     lambda p: LazySGD([p], lr=0.1, momentum=0.9, weight_decay=0.01)),
+     lambda p, lazy: HeadSGD([p], lr=0.1, momentum=0.9, weight_decay=0.01, lazy=lazy)),
     (lambda p: torch.optim.SGD([p], lr=0.1, momentum=0.9, nesterov=True),
-     lambda p: LazySGD([p], lr=0.1, momentum=0.9, nesterov=True)),
+     lambda p, lazy: HeadSGD([p], lr=0.1, momentum=0.9, nesterov=True, lazy=lazy)),
     (lambda p: torch.optim.AdamW([p], lr=0.01, weight_decay=0.1),
-     lambda p: LazyAdamW([p], lr=0.01, weight_decay=0.1)),
+     lambda p, lazy: HeadAdamW([p], lr=0.01, weight_decay=0.1, lazy=lazy)),
 ])
 @pytest.mark.parametrize("sparse", [False, True])
-def test_lazy_equals_dense_when_all_rows_active(make, sparse):
-    dense_p, lazy_p = _param(), _param()
-    dense, lazy = make[0](dense_p), make[1](lazy_p)
+@pytest.mark.parametrize("lazy", [False, True])
+def test_equals_torch_when_all_rows_active(make, sparse, lazy, monkeypatch):
+    monkeypatch.setattr("ds_xc.head.optim._BLOCK", 5)  # several row blocks, one partial
+    ref_p, p = _param(), _param()
+    ref, ours = make[0](ref_p), make[1](p, lazy)
     for g in _grads(4):
-        dense_p.grad = g.clone()
-        lazy_p.grad = g.clone().to_sparse(1) if sparse else g.clone()
-        dense.step()
-        lazy.step()
-    torch.testing.assert_close(lazy_p, dense_p, rtol=1e-12, atol=1e-12)
+        ref_p.grad = g.clone()
+        p.grad = g.clone().to_sparse(1) if sparse else g.clone()
+        ref.step()
+        ours.step()
+    torch.testing.assert_close(p, ref_p, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("cls,kw", [(LazySGD, dict(lr=0.1, momentum=0.9, weight_decay=0.1)),
-                                    (LazyAdamW, dict(lr=0.1, weight_decay=0.1))])
+@pytest.mark.parametrize("cls,kw", [(HeadSGD, dict(lr=0.1, momentum=0.9, weight_decay=0.1, lazy=True)),
+                                    (HeadAdamW, dict(lr=0.1, weight_decay=0.1, lazy=True))])
 def test_lazy_touches_only_active_rows(cls, kw):
     p = _param()
     opt = cls([p], **kw)
@@ -58,7 +60,7 @@ def test_lazy_touches_only_active_rows(cls, kw):
 
 def test_lazy_sgd_active_rows_follow_dense_formula():
     p = _param()
-    opt = LazySGD([p], lr=0.1, momentum=0.5, weight_decay=0.2)
+    opt = HeadSGD([p], lr=0.1, momentum=0.5, weight_decay=0.2, lazy=True)
     rows = torch.tensor([0, 3])
     g = _grads(1)[0]
     w0 = p.detach().clone()
@@ -69,7 +71,7 @@ def test_lazy_sgd_active_rows_follow_dense_formula():
 
 def test_state_dict_round_trip():
     p, q = _param(), _param()
-    a, b = LazyAdamW([p], lr=0.01), LazyAdamW([q], lr=0.01)
+    a, b = HeadAdamW([p], lr=0.01), HeadAdamW([q], lr=0.01)
     for g in _grads(2):
         p.grad = g.clone()
         a.step()
@@ -80,3 +82,16 @@ def test_state_dict_round_trip():
     a.step()
     b.step()
     torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_dense_optimizer_given_sparse_gradient_keeps_dense_semantics():
+    p, q = _param(), _param()
+    a, b = HeadSGD([p], lr=0.1, momentum=0.9, weight_decay=0.1), torch.optim.SGD([q], lr=0.1, momentum=0.9,
+                                                                                 weight_decay=0.1)
+    rows = torch.tensor([2, 4])
+    for g in _grads(3):
+        p.grad = torch.sparse_coo_tensor(rows[None], g[rows], (12, 4), check_invariants=True)
+        q.grad = p.grad.to_dense()
+        a.step()
+        b.step()
+    torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)

@@ -1,75 +1,112 @@
-"""Optimizers for the head shards: dense (torch's own) and lazy (row-sparse) updates.
+"""Optimizers for the head shards: SGD (momentum) and AdamW, dense or lazy.
 
-Lazy semantics (like torch.optim.SparseAdam, and TensorFlow's lazy Adam): a step touches
-only the rows that have a gradient in that step, i.e. the active classes. For those rows
-the update is exactly the dense formula; rows outside the active set are left alone:
-their momentum does not decay, weight decay does not shrink them and, for AdamW, their
-moments keep their values while the bias correction uses the global step count. A
-step then costs O(K*d) instead of O(L*d). Given a dense gradient (every row active)
-the lazy optimizers equal torch's SGD and AdamW.
+A head shard is large (10^6 rows x d per rank is usual), so both optimizers work in
+place, in blocks of rows: a dense step allocates at most one block-sized temporary,
+never a second shard-sized tensor (torch's SGD with weight decay allocates a full copy
+of the gradient). The formulas are torch.optim.SGD's and torch.optim.AdamW's.
+
+Lazy semantics (``lazy=True``; like torch.optim.SparseAdam and TensorFlow's lazy Adam):
+given a row-sparse gradient (the sampled head with ``update: lazy``), a step touches only
+the rows present in the gradient, i.e. the active classes. For those rows the update is
+exactly the dense formula; other rows are left alone: their momentum does not decay,
+weight decay does not shrink them and, for AdamW, their moments keep their values while
+the bias correction uses the global step count. A step then costs O(K*d), not O(L*d).
+Given a dense gradient (every row active) lazy and dense steps are identical. A dense
+optimizer given a sparse gradient densifies it (exact dense semantics).
 
 State lives in ``optimizer.state[p]`` so that ``state_dict()`` round-trips.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from torch.optim import Optimizer
 
 from ds_xc import config as cfg
 
-__all__ = ["LazySGD", "LazyAdamW", "build_head_optimizer"]
+__all__ = ["HeadSGD", "HeadAdamW", "build_head_optimizer"]
+
+_BLOCK = 1 << 15  # rows per block of a dense step
 
 
-def _rows(p: torch.Tensor):
-    """(row ids (R,) or None for all rows, gradient rows (R, d))."""
+def _rows(p: torch.Tensor, lazy: bool):
+    """(row ids (R,) or None for all rows, gradient rows (R, d) or the dense gradient)."""
     g = p.grad
-    if g.is_sparse:
-        if g.sparse_dim() != 1:  # element-wise COO: not row-sparse, treat as dense
-            return None, g.to_dense()
-        g = g.coalesce()
-        return g.indices()[0], g.values()
-    return None, g
+    if not g.is_sparse:
+        return None, g
+    if not lazy or g.sparse_dim() != 1:  # dense semantics, or element-wise COO: densify
+        return None, g.to_dense()
+    g = g.coalesce()
+    return g.indices()[0], g.values()
 
 
-class LazySGD(Optimizer):
-    """SGD with momentum and (L2) weight decay, applied to the gradient's rows only."""
+def _blocks(n: int):
+    for a in range(0, n, _BLOCK):
+        yield slice(a, min(a + _BLOCK, n))
+
+
+class HeadSGD(Optimizer):
+    """torch.optim.SGD's update (momentum, L2 weight decay, Nesterov), in place, dense or lazy."""
 
     def __init__(self, params, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
-                 nesterov: bool = False):
-        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov))
+                 nesterov: bool = False, lazy: bool = False):
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
+                                      nesterov=nesterov, lazy=lazy))
+
+    @staticmethod
+    def _update(p, g, buf, lr, mu, wd, nesterov):
+        """One block (or gathered rows): returns the step d; updates buf in place."""
+        d = g.add(p, alpha=wd) if wd else g.clone()
+        if buf is not None:
+            buf.mul_(mu).add_(d)
+            d = d.add_(buf, alpha=mu) if nesterov else d.copy_(buf)
+        return d
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         for group in self.param_groups:
-            lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+            lr, mu, wd, nest = group["lr"], group["momentum"], group["weight_decay"], group["nesterov"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                rows, g = _rows(p)
-                w = p if rows is None else p.index_select(0, rows)  # (R, d)
-                d = g.add(w, alpha=wd) if wd else g.clone()
+                rows, g = _rows(p, group["lazy"])
+                buf = None
                 if mu:
                     state = self.state[p]
                     if "momentum_buffer" not in state:
                         state["momentum_buffer"] = torch.zeros_like(p)
                     buf = state["momentum_buffer"]
-                    b = (buf if rows is None else buf.index_select(0, rows)).mul_(mu).add_(d)
-                    if rows is not None:
-                        buf.index_copy_(0, rows, b)
-                    d = d.add(b, alpha=mu) if group["nesterov"] else b
                 if rows is None:
-                    p.add_(d, alpha=-lr)
-                else:
-                    p.index_add_(0, rows, d.to(p.dtype), alpha=-lr)
+                    for s in _blocks(p.shape[0]):
+                        d = self._update(p[s], g[s], None if buf is None else buf[s], lr, mu, wd, nest)
+                        p[s].add_(d, alpha=-lr)
+                    continue
+                b = None if buf is None else buf.index_select(0, rows)  # (R, d)
+                d = self._update(p.index_select(0, rows), g, b, lr, mu, wd, nest)
+                if b is not None:
+                    buf.index_copy_(0, rows, b)
+                p.index_add_(0, rows, d.to(p.dtype), alpha=-lr)
         return loss
 
 
-class LazyAdamW(Optimizer):
-    """AdamW (decoupled weight decay) applied to the gradient's rows only."""
+class HeadAdamW(Optimizer):
+    """torch.optim.AdamW's update (decoupled weight decay), in place, dense or lazy."""
 
-    def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+    def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 lazy: bool = False):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, lazy=lazy))
+
+    @staticmethod
+    def _update(p, g, m, v, lr, b1, b2, eps, wd, bc1, bc2):
+        """One block, in place on p, m, v (p, m, v may be gathered row copies)."""
+        if wd:
+            p.mul_(1.0 - lr * wd)
+        m.lerp_(g, 1.0 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+        denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
+        p.addcdiv_(m, denom, value=-lr / bc1)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -79,7 +116,7 @@ class LazyAdamW(Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                rows, g = _rows(p)
+                rows, g = _rows(p, group["lazy"])
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.zeros((), dtype=torch.float32)
@@ -88,34 +125,24 @@ class LazyAdamW(Optimizer):
                 state["step"] += 1
                 t = float(state["step"])
                 bc1, bc2 = 1.0 - b1 ** t, 1.0 - b2 ** t
-                m_all, v_all = state["exp_avg"], state["exp_avg_sq"]
-                m = m_all if rows is None else m_all.index_select(0, rows)  # (R, d)
-                v = v_all if rows is None else v_all.index_select(0, rows)
-                m.mul_(b1).add_(g, alpha=1.0 - b1)
-                v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
-                upd = (m / bc1).div_((v / bc2).sqrt_().add_(eps))
+                m, v = state["exp_avg"], state["exp_avg_sq"]
                 if rows is None:
-                    if wd:
-                        p.mul_(1.0 - lr * wd)
-                    p.add_(upd, alpha=-lr)
-                else:
-                    m_all.index_copy_(0, rows, m)
-                    v_all.index_copy_(0, rows, v)
-                    if wd:
-                        upd.add_(p.index_select(0, rows), alpha=wd)
-                    p.index_add_(0, rows, upd.to(p.dtype), alpha=-lr)
+                    for s in _blocks(p.shape[0]):
+                        self._update(p[s], g[s], m[s], v[s], lr, b1, b2, eps, wd, bc1, bc2)
+                    continue
+                pr, mr, vr = p.index_select(0, rows), m.index_select(0, rows), v.index_select(0, rows)
+                self._update(pr, g, mr, vr, lr, b1, b2, eps, wd, bc1, bc2)
+                m.index_copy_(0, rows, mr)
+                v.index_copy_(0, rows, vr)
+                p.index_copy_(0, rows, pr)
         return loss
 
 
 def build_head_optimizer(head, section) -> Optimizer:
     """The head's optimizer from ``extreme_classification.optimizer`` (dict or model)."""
     c = cfg.validate_section(cfg.HeadOptimizerConfig, section, f"{cfg.HEAD_SECTION}.optimizer")
-    params = [head.weight]
+    lazy = c.update == "lazy"
     if c.type == "sgd":
-        if c.update == "lazy":
-            return LazySGD(params, lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay, nesterov=c.nesterov)
-        return torch.optim.SGD(params, lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay,
-                               nesterov=c.nesterov)
-    if c.update == "lazy":
-        return LazyAdamW(params, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay)
-    return torch.optim.AdamW(params, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay)
+        return HeadSGD([head.weight], lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay,
+                       nesterov=c.nesterov, lazy=lazy)
+    return HeadAdamW([head.weight], lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay, lazy=lazy)
