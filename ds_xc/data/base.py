@@ -160,12 +160,13 @@ def hash_words(keys: Tensor, salt: int, num_words: int) -> np.ndarray:
 
 
 def hash_uniform(keys: Tensor, salt: int, num: int) -> Tensor:
-    """(N,) keys -> (N, num) float64 uniforms strictly inside (0, 1), 53-bit resolution.
+    """(N,) keys -> (N, num) float64 uniforms strictly inside (0, 1), 52-bit resolution.
 
-    53 bits resolve the ranks of a power law over 10^8 classes.
+    52 bits resolve the ranks of a power law over 10^8 classes; with 52 (not 53) bits
+    ``word + 0.5`` is exact in float64, so 1.0 is never reached.
     """
-    words = hash_words(keys, salt, num) >> _U64(11)
-    return torch.from_numpy((words.astype(np.float64) + 0.5) * 2.0**-53)
+    words = hash_words(keys, salt, num) >> _U64(12)
+    return torch.from_numpy((words.astype(np.float64) + 0.5) * 2.0**-52)
 
 
 def hash_normal(keys: Tensor, salt: int, dim: int) -> Tensor:

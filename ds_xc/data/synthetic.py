@@ -77,7 +77,7 @@ class SyntheticDataset(XCDataset):
         latent_dim: int = 32,
         group_size: int = 8,
         group_spread: float = 0.5,
-        noise: float = 0.5,
+        noise: float = 1.0,
         zipf_exponent: float = 1.0,
         seed: int = 0,
         num_eval: int = 8192,
