@@ -56,27 +56,32 @@ def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _chunk_step(x, w, rw, t, loss: TargetLoss, red: Reducer, need_grad: bool):
-    """Loss rows of one chunk and, if asked, d(sum of loss rows)/d(cosine or raw logits).
+def _chunk_step(x, w, rw, t, loss: TargetLoss, red: Reducer, need_grad: bool, buf: torch.Tensor):
+    """Loss rows of one chunk and, if asked, its gradient in factored form.
 
     x (n, d) chunk rows; w (K, d) active weights; rw (K,) inverse row norms (cosine losses)
-    or None; t (n,) target column in [0, K) or -1 when the target lives elsewhere.
-    Returns (loss (n,), g (n, K) or None, rx (n,) or None). ``g`` is the gradient with
-    respect to the cosine matrix for normalised losses (raw logits otherwise).
+    or None; t (n,) target column in [0, K) or -1 when the target lives elsewhere; buf
+    (n, K) scratch for the logits, reused across chunks.
+
+    Returns (loss (n,), M (n, K) or None, inv (n,), xs (n, d)). The gradient of the summed
+    loss rows with respect to the cosines (raw logits for plain softmax), times rw per
+    column for cosine losses, is ``inv[:, None] * M``: the softmax's row normalisation is
+    kept out of the (n, K) buffer and applied to the small (n, d) products instead. ``xs``
+    is the chunk's normalised rows (cosine losses) or the chunk itself.
     """
-    sd = _stat_dtype(w.dtype)
-    logits = x @ w.t()  # (n, K)
-    if logits.dtype != sd:
-        logits = logits.to(sd)
-    rx = None
+    sd = buf.dtype
     if loss.normalised:
         rx = 1.0 / x.to(sd).norm(dim=1).clamp_min(_EPS)  # (n,)
-        logits.mul_(rx[:, None]).mul_(rw[None, :].to(sd))  # now cosines
+        xs = x.to(sd) * rx[:, None]  # (n, d) normalised rows
+        _mm(xs * loss.scale, w, buf)  # (n, K) = s * x/|x| . w
+        logits = buf.mul_(rw[None, :])  # s * cos
+    else:
+        xs = x
+        logits = _mm(x, w, buf)
     has_t = t >= 0
     tt = torch.where(has_t, t, torch.zeros_like(t))[:, None]  # (n, 1)
-    c_t = torch.where(has_t, logits.gather(1, tt).squeeze(1), torch.zeros((), dtype=sd, device=x.device))
-    if loss.normalised:
-        logits.mul_(loss.scale)
+    zero = torch.zeros((), dtype=sd, device=x.device)
+    c_t = torch.where(has_t, logits.gather(1, tt).squeeze(1) / loss.scale, zero)  # target cosine / raw logit
 
     if loss.separate_target:  # D-Softmax: the target leaves the partition function
         logits.scatter_(1, tt, torch.where(has_t, float("-inf"), logits.gather(1, tt).squeeze(1))[:, None])
@@ -87,8 +92,8 @@ def _chunk_step(x, w, rw, t, loss: TargetLoss, red: Reducer, need_grad: bool):
         logits.scatter_(1, tt, z_t[:, None])
         m = red.max_(logits.max(dim=1).values)  # (n,)
 
-    e = logits.sub_(m[:, None]).exp_()  # (n, K), reuses the logits buffer
-    stats = torch.stack([e.sum(dim=1), c_t if loss.separate_target else torch.where(has_t, z_t, 0.0)], 1)
+    e = logits.sub_(m[:, None]).exp_()  # (n, K) unnormalised probabilities, in the buffer
+    stats = torch.stack([e.sum(dim=1), c_t if loss.separate_target else torch.where(has_t, z_t, zero)], 1)
     red.sum_(stats)  # (n, 2): sum-exp over all classes, target term (lives on exactly one rank)
     sumexp, target = stats[:, 0], stats[:, 1]
     if loss.separate_target:
@@ -98,26 +103,43 @@ def _chunk_step(x, w, rw, t, loss: TargetLoss, red: Reducer, need_grad: bool):
     else:
         rows = m + torch.log(sumexp) - target
     if not need_grad:
-        return rows, None, rx
+        return rows, None, None, xs
 
-    g = e.div_(sumexp[:, None])  # softmax probabilities = d(rows)/d(logits) off the target
-    p_t = g.gather(1, tt).squeeze(1)
+    inv = 1.0 / sumexp  # (n,)
+    # off the target: d rows / d logit = e * inv, and d logit / d cos = s
     if loss.separate_target:
         g_t = d_intra
     else:
-        g_t = (p_t - 1.0) * dz_t
+        g_t = (e.gather(1, tt).squeeze(1) * inv - 1.0) * dz_t
     if loss.normalised:
-        g.mul_(loss.scale)  # d logits / d cos = s off the target
-    g.scatter_(1, tt, torch.where(has_t, g_t, g.gather(1, tt).squeeze(1))[:, None])
-    return rows, g, rx
+        e.mul_((loss.scale * rw)[None, :])
+        g_t = g_t * rw[tt.squeeze(1)]
+    # the target entry in the same units: M = g / inv
+    e.scatter_(1, tt, torch.where(has_t, g_t * sumexp, e.gather(1, tt).squeeze(1))[:, None])
+    return rows, e, inv, xs
 
 
-def _accumulate(gw: torch.Tensor, g: torch.Tensor, x: torch.Tensor) -> None:
-    """gw (K, d) += g^T (K, n) @ x (n, d), in place (no (K, d) temporary in the common case)."""
-    if g.dtype == gw.dtype and x.dtype == gw.dtype:
-        gw.addmm_(g.t(), x)
-    else:  # low-precision weights: multiply in their dtype, accumulate in float32
-        gw += (g.t().to(x.dtype) @ x).to(gw.dtype)
+def _mm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out (n, K) = a (n, d) @ w^T, in the statistics dtype."""
+    if a.dtype == w.dtype == out.dtype:
+        return torch.mm(a, w.t(), out=out)
+    out.copy_(a.to(w.dtype) @ w.t())
+    return out
+
+
+def _accumulate(gw: torch.Tensor, m: torch.Tensor, x: torch.Tensor, first: bool) -> None:
+    """gw (K, d) (+)= m^T (K, n) @ x (n, d), in place; the first chunk overwrites (no zero fill)."""
+    if m.dtype == gw.dtype and x.dtype == gw.dtype:
+        if first:
+            torch.mm(m.t(), x, out=gw)
+        else:
+            gw.addmm_(m.t(), x)
+        return
+    prod = (m.t().to(x.dtype) @ x).to(gw.dtype)  # low-precision weights: accumulate in float32
+    if first:
+        gw.copy_(prod)
+    else:
+        gw += prod
 
 
 class _ShardedMarginLoss(torch.autograd.Function):
@@ -134,32 +156,29 @@ class _ShardedMarginLoss(torch.autograd.Function):
         xw = x.to(w.dtype)
         rw = (1.0 / w.to(sd).norm(dim=1).clamp_min(_EPS)) if loss.normalised else None  # (K,)
         gx = torch.empty(x.shape, dtype=sd, device=x.device) if need_gx else None  # (N, d)
-        gw = torch.zeros((k, w.shape[1]), dtype=sd, device=w.device) if need_gw else None  # (K, d)
+        gw = torch.empty((k, w.shape[1]), dtype=sd, device=w.device) if need_gw else None  # (K, d)
         total = torch.zeros((), dtype=sd, device=x.device)
         step = chunk_size if chunk_size > 0 else max(n_rows, 1)
+        buf = torch.empty((min(step, n_rows), k), dtype=sd, device=x.device)  # (n, K), one for all chunks
         for a in range(0, n_rows, step):
             xc = xw[a: a + step]
-            rows, g, rx = _chunk_step(xc, w, rw, targets[a: a + step], loss, red, need_grad)
+            rows, m, inv, xs = _chunk_step(xc, w, rw, targets[a: a + step], loss, red, need_grad,
+                                           buf[: xc.shape[0]])
             total += rows.sum()
-            if g is None:
+            if m is None:
                 continue
-            if loss.normalised:
-                g.mul_(rw[None, :])  # g' = g * rw: folds the weight norm into the products
-                xn = xc.to(sd) * rx[:, None]  # (n, d)
-                if need_gx:
-                    gxn = (g.to(w.dtype) @ w).to(sd)  # d/d(xn), (n, d)
-                    radial = (gxn * xn).sum(dim=1, keepdim=True)
-                    gx[a: a + step] = (gxn - xn * radial) * rx[:, None]
-                if need_gw:
-                    _accumulate(gw, g, xn)  # (K, d) += g'^T xn = rw * d/d(wn)
-            else:
-                if need_gx:
-                    gx[a: a + step] = (g.to(w.dtype) @ w).to(sd)
-                if need_gw:
-                    _accumulate(gw, g, xc)
-            del g
+            if need_gx:
+                gxs = _mm_rows(m, w) * inv[:, None]  # (n, d): d/d(xs)
+                if loss.normalised:  # through x/|x|: remove the radial part, divide by |x|
+                    radial = (gxs * xs).sum(dim=1, keepdim=True)
+                    gxs = (gxs - xs * radial) * (1.0 / xc.to(sd).norm(dim=1).clamp_min(_EPS))[:, None]
+                gx[a: a + step] = gxs
+            if need_gw:
+                _accumulate(gw, m, xs.to(sd) * inv[:, None], first=a == 0)
+        if need_gw and n_rows == 0:
+            gw.zero_()
         if need_gw and loss.normalised:
-            # d/dW of the row normalisation: G_j - rw_j^2 <W_j, G_j> W_j, row-wise, no (K, d) temporary
+            # gw holds G = rw * d/d(w/|w|); d/dW = G_j - rw_j^2 <W_j, G_j> W_j, row-wise, no (K, d) temporary
             wf = w.to(sd)
             radial = torch.bmm(wf.unsqueeze(1), gw.unsqueeze(2)).view(k)  # (K,)
             gw.addcmul_(wf, (rw * rw * radial)[:, None], value=-1.0)
@@ -181,6 +200,13 @@ class _ShardedMarginLoss(torch.autograd.Function):
         if gw is not None:
             gw = gw.mul_(scale).to(ctx.dtypes[1])
         return gx, gw, None, None, None, None
+
+
+def _mm_rows(m: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """m (n, K) @ w (K, d) -> (n, d) in m's dtype."""
+    if m.dtype == w.dtype:
+        return m @ w
+    return (m.to(w.dtype) @ w).to(m.dtype)
 
 
 def sharded_margin_loss(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, loss: TargetLoss,
