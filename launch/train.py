@@ -134,6 +134,9 @@ def main(argv=None) -> dict:
             bar.update(1)
         if tcfg.eval_every and done % tcfg.eval_every == 0 and done != tcfg.max_steps:
             ev = evaluate()
+            if bar is not None:
+                bar.write(f"step {done}: loss {loss.item():.4f}, held-out top-1 {ev['top1']:.4f} "
+                          f"top-5 {ev['top5']:.4f}")
             if monitor is not None:
                 monitor.write_events([(f"Eval/{k}", v, done) for k, v in ev.items() if k.startswith("top")])
         if tcfg.save_every and done % tcfg.save_every == 0 and done != tcfg.max_steps:
