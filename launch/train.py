@@ -111,7 +111,9 @@ def main(argv=None) -> dict:
     bar = None
     if rank == 0:
         from tqdm import tqdm
-        bar = tqdm(total=tcfg.max_steps, initial=start, unit="step", dynamic_ncols=True)
+        tty = sys.stdout.isatty()  # in a log file, a line every 30 s instead of every update
+        bar = tqdm(total=tcfg.max_steps, initial=start, unit="step", dynamic_ncols=True, file=sys.stdout,
+                   mininterval=0.5 if tty else 30.0, maxinterval=60.0 if tty else 120.0)
     monitor = xc.engine.monitor if getattr(xc.engine.monitor, "enabled", False) else None
     t0, samples, ev = time.perf_counter(), 0, {}
     for step in range(start, tcfg.max_steps):
