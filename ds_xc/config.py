@@ -94,7 +94,58 @@ class UniformSampler(_Section):
                                description="Active classes per shard = ceil(sample_rate * num_local).")
 
 
-SamplerConfig = Annotated[Union[FullSampler, UniformSampler], Field(discriminator="type")]
+class AnnSampler(_Section):
+    """ANN softmax: per sample, the classes of highest logit retrieved from a binary-code
+    inverted file over the shard's weights; active set = positives, then retrieved classes
+    by rank, then uniform fill, cut to ceil(sample_rate * num_local)."""
+    type: Literal["ann"]
+    sample_rate: float = Field(0.1, gt=0.0, le=1.0,
+                               description="Active classes per shard and group = ceil(sample_rate * num_local).")
+    code_bits: int = Field(256, ge=32, le=1024, multiple_of=32, description="Bits of each binary code.")
+    rotation: Literal["random", "itq"] = Field(
+        "random", description="random: random orthogonal rotation then sign (SimHash); itq: rotation "
+        "learned by iterative quantisation (needs code_bits <= embedding_dim).")
+    nlist: int = Field(0, ge=0, description="Inverted lists (spherical k-means centroids); 0 = round(sqrt(num_local)).")
+    nprobe: int = Field(32, ge=1, description="Lists scanned per query (capped at nlist).")
+    top_k: int = Field(64, ge=1, le=4096, description="Classes retrieved per sample.")
+    rerank: int = Field(256, ge=0, le=16384, description="Candidates per sample re-ranked by the exact "
+                        "cosine before keeping top_k (0 = rank by Hamming distance only).")
+    groups: int = Field(1, ge=1, le=1024, description="Sample groups G: the global batch is split into G "
+                        "groups, each with its own active set.")
+    encode_interval: int = Field(1, ge=0, description="Re-encode the rows the optimizer changed every N "
+                                 "steps (0 = only at rebuilds).")
+    rebuild_interval: int = Field(1000, ge=0, description="Re-run k-means and re-encode every row every N "
+                                  "steps (0 = only at start and after loading).")
+    kmeans_iterations: int = Field(10, ge=1, le=100, description="Spherical k-means iterations per rebuild.")
+    backend: Literal["auto", "torch", "cpu", "cuda", "faiss"] = Field(
+        "auto", description="Hamming scan kernel (ops/hamming.py): auto picks cuda, then the C++ kernel, "
+        "then PyTorch.")
+    metrics_interval: int = Field(0, ge=0, description="Log recall@k against the exact top-k and the "
+                                  "covered softmax mass every N steps (0 = off; costs an exact pass).")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.rerank and self.rerank < self.top_k:
+            raise ValueError(f"rerank={self.rerank} must be 0 or >= top_k={self.top_k}")
+        return self
+
+
+class KnnSampler(_Section):
+    """KNN softmax: a k-nearest-neighbour graph over the shard's class weights; active set =
+    positives, then their graph neighbours, then uniform fill."""
+    type: Literal["knn"]
+    sample_rate: float = Field(0.1, gt=0.0, le=1.0,
+                               description="Active classes per shard = ceil(sample_rate * num_local).")
+    neighbors: int = Field(32, ge=1, le=1024, description="Neighbours per class in the graph (10 to 100 usual).")
+    rebuild_interval: int = Field(1000, ge=0, description="Rebuild the graph every N steps (0 = only at "
+                                  "start and after loading).")
+    graph: Literal["exact", "ann"] = Field(
+        "exact", description="exact: chunked matmul + top-k over the shard (O(L^2 d)); ann: through the "
+        "binary-code inverted file of the ann sampler (for large shards).")
+
+
+SamplerConfig = Annotated[Union[FullSampler, UniformSampler, AnnSampler, KnnSampler],
+                          Field(discriminator="type")]
 
 
 # --------------------------------------------------------------------------- head optimizer

@@ -99,7 +99,9 @@ class ClassParallelHead(nn.Module):
                                               self.num_local, init_std, seed, dtype, device))
         self.sampler = build_sampler(self.sampler_config, self.num_local, self.class_start, seed,
                                      self.rank, self.weight.device)
+        self.sampler.dense_updates = update == "dense"  # every row changes each step: re-encode all
         self.last_active: Optional[ActiveSet] = None
+        self.last_metrics: dict = {}
         log.info("ClassParallelHead rank %d/%d: classes [%d, %d) of %d, d=%d, loss=%s, sampler=%s",
                  self.rank, self.world_size, self.class_start, self.class_start + self.num_local,
                  self.num_classes, self.embedding_dim, self.loss_fn.describe(), self.sampler_config.type)
@@ -168,11 +170,41 @@ class ClassParallelHead(nn.Module):
         x, y = self.gather(embeddings, labels, batch_sizes)  # (N, d), (N,)
         active = self.sampler.sample(y, x.detach() if self.sampler.needs_embeddings else None, self.weight)
         self.last_active = active
-        if active.index is None:
-            w = self.weight  # (L, d)
-        else:  # (K, d); a sparse gradient for lazy updates
-            w = F.embedding(active.index, self.weight, sparse=self.update == "lazy")
-        return sharded_margin_loss(x, w, active.targets, self.loss_fn, self.group, self.chunk_size)
+        self._maybe_measure(x, active)
+        n = x.shape[0]
+        total = None
+        for rows, index in active.groups():  # one group unless the sampler splits the batch
+            if index is None:
+                w = self.weight  # (L, d)
+            else:  # (K, d); a sparse gradient for lazy updates
+                w = F.embedding(index, self.weight, sparse=self.update == "lazy")
+            part = sharded_margin_loss(x[rows], w, active.targets[rows], self.loss_fn, self.group, self.chunk_size)
+            if active.bounds is not None:
+                part = part * ((rows.stop - rows.start) / max(n, 1))
+            total = part if total is None else total + part
+        return total
+
+    # ------------------------------------------------------------------ sampler upkeep and metrics
+    def rebuild_index(self) -> None:
+        """Rebuild the sampler's index (ANN) or graph (kNN) from the current weights now."""
+        if hasattr(self.sampler, "rebuild"):
+            self.sampler.rebuild(self.weight)
+
+    def sampler_stats(self) -> dict:
+        """Active-set counts of the last step (active, positives, retrieved, kept, cut, fill,
+        staleness) and the last quality metrics, for logging."""
+        return dict(getattr(self.sampler, "last_stats", {}), **self.last_metrics)
+
+    def _maybe_measure(self, x: torch.Tensor, active: ActiveSet) -> None:
+        every = getattr(self.sampler_config, "metrics_interval", 0)
+        steps = getattr(self.sampler, "steps", 0)
+        if not every or not torch.is_grad_enabled() or steps % every:
+            return
+        from ds_xc.sampling.metrics import active_set_quality
+        self.last_metrics = active_set_quality(
+            x, self.weight, self.class_start, active, self.loss_fn.normalised, self.loss_fn.scale,
+            getattr(self.sampler, "last_retrieved", None), group=self.group)
+        log.info("sampler quality at step %d: %s", steps, self.last_metrics)
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -215,7 +247,8 @@ class ClassParallelHead(nn.Module):
     def get_extra_state(self) -> dict:
         return {"num_classes": self.num_classes, "class_start": self.class_start,
                 "num_local": self.num_local, "world_size": self.world_size, "rank": self.rank,
-                "embedding_dim": self.embedding_dim, "sampler": self.sampler.state_dict()}
+                "embedding_dim": self.embedding_dim, "sampler": self.sampler.state_dict(),
+                "weight_checksum": _checksum(self.weight)}
 
     def set_extra_state(self, state: dict) -> None:
         mine = (self.num_classes, self.class_start, self.num_local, self.embedding_dim)
@@ -234,11 +267,23 @@ class ClassParallelHead(nn.Module):
         if isinstance(extra, dict):
             self.set_extra_state(extra)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        # an index saved with other weights than the ones now loaded is never used silently
+        if isinstance(extra, dict) and hasattr(self.sampler, "invalidate"):
+            if extra.get("weight_checksum") != _checksum(self.weight):
+                log.info("rank %d: loaded weights differ from the ones the saved index describes; "
+                         "the index is rebuilt at the next forward", self.rank)
+                self.sampler.invalidate()
 
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)
         self.sampler.to(self.weight.device)
         return out
+
+
+def _checksum(weight: torch.Tensor) -> tuple:
+    """A cheap fingerprint of a weight shard: (sum, sum of squares) in float64."""
+    w = weight.detach().double()
+    return (float(w.sum()), float((w * w).sum()))
 
 
 def _gather_stack(t: torch.Tensor, group) -> torch.Tensor:

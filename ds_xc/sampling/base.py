@@ -6,12 +6,15 @@ A sampler returns an :class:`ActiveSet`: ``index`` (K,), sorted local class ids 
 means every class of the shard, with no gather), and ``targets`` (N,), each row's column
 in the active set, or -1 when its class belongs to another shard. Every positive class
 of the batch that lives on this shard is always active (DESIGN.md: exactness contract).
+With sample groups, ``bounds`` (G+1 row offsets) splits the global batch into G blocks of
+rows, ``index`` is a list of G sorted id tensors (one active set per group) and each
+row's target is its column in its own group's set.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -20,11 +23,21 @@ __all__ = ["ActiveSet", "Sampler", "local_targets", "budget"]
 
 @dataclass
 class ActiveSet:
-    index: Optional[torch.Tensor]  # (K,) int64 sorted local ids, or None for the whole shard
+    index: Union[None, torch.Tensor, list]  # (K,) sorted local ids; None: whole shard; list: per group
     targets: torch.Tensor  # (N,) int64 in [-1, K)
+    bounds: Optional[list] = None  # G+1 row offsets of the groups, or None (one group)
 
-    def size(self, num_local: int) -> int:
-        return num_local if self.index is None else int(self.index.numel())
+    def groups(self) -> list:
+        """[(row slice, index or None)] for each group."""
+        if self.bounds is None:
+            return [(slice(0, self.targets.numel()), self.index)]
+        return [(slice(a, b), idx) for a, b, idx in zip(self.bounds[:-1], self.bounds[1:], self.index)]
+
+    def union(self) -> Optional[torch.Tensor]:
+        """Distinct active ids over all groups (None: the whole shard)."""
+        if self.index is None or isinstance(self.index, torch.Tensor):
+            return self.index
+        return torch.unique(torch.cat(self.index))
 
 
 def budget(sample_rate: float, num_local: int) -> int:

@@ -7,11 +7,15 @@ from __future__ import annotations
 from ds_xc import config as cfg
 from ds_xc.sampling.base import Sampler
 from ds_xc.sampling.full import FullSampler
+from ds_xc.sampling.ann import AnnSampler
+from ds_xc.sampling.knn import KnnSampler
 from ds_xc.sampling.uniform import UniformSampler
 
 SAMPLERS: dict[str, type[Sampler]] = {
     "full": FullSampler,
     "uniform": UniformSampler,
+    "ann": AnnSampler,
+    "knn": KnnSampler,
 }
 
 

@@ -8,15 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from ds_xc.sampling.active import assemble, remap_targets
 from ds_xc.sampling.base import ActiveSet, Sampler, budget, local_targets
 
-
-def remap_targets(index: torch.Tensor, local: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
-    """Each row's column in the sorted active ``index`` (K,), or -1 (off shard)."""
-    pos = torch.searchsorted(index, local.clamp(0, None))
-    pos = pos.clamp(max=index.numel() - 1)
-    found = mine & (index[pos] == local)
-    return torch.where(found, pos, torch.full_like(pos, -1))
+__all__ = ["UniformSampler", "remap_targets"]
 
 
 class UniformSampler(Sampler):
@@ -27,8 +22,5 @@ class UniformSampler(Sampler):
             return ActiveSet(index=torch.arange(self.num_local, device=labels.device),
                              targets=torch.where(mine, local, torch.full_like(local, -1)))
         positives = torch.unique(local[mine])  # sorted; a host sync (dynamic size)
-        k = max(k, int(positives.numel()))
-        score = torch.rand(self.num_local, generator=self.generator, device=self.device)  # (L,)
-        score[positives.to(self.device)] = 2.0  # positives first
-        index = torch.topk(score, k, sorted=False).indices.sort().values.to(labels.device)  # (K,)
+        index, self.last_stats = assemble(positives, None, k, self.num_local, self.generator)
         return ActiveSet(index=index, targets=remap_targets(index, local, mine))

@@ -1,0 +1,61 @@
+"""Binary codes of unit vectors: b = sign(x P) with a projection P (d, bits), packed to bytes.
+
+Legend: n rows, d dim, b = code_bits.
+
+* ``random``: P is a random orthogonal matrix (SimHash: the chance that a bit differs is
+  angle / pi); for b > d, ceil(b / d) independent orthogonal blocks side by side.
+* ``itq``: iterative quantisation (Gong & Lazebnik): P = PCA_b @ R, with the rotation R
+  (b, b) learned to minimise ||sign(V R) - V R|| on a sample of the rows. Needs b <= d.
+
+Codes are packed by ``ops.hamming.pack_signs`` (uint8, LSB first), the layout the scan
+kernels read; Hamming distance between codes estimates the angle between the vectors.
+"""
+from __future__ import annotations
+
+import torch
+
+from ops.hamming import pack_signs
+
+__all__ = ["random_projection", "itq_projection", "encode"]
+
+
+def _orthogonal(dim: int, gen: torch.Generator) -> torch.Tensor:
+    q, r = torch.linalg.qr(torch.randn(dim, dim, generator=gen, dtype=torch.float64))
+    return (q * torch.sign(torch.diagonal(r))[None, :]).float()  # Haar-distributed
+
+
+def random_projection(dim: int, bits: int, seed: int) -> torch.Tensor:
+    """(d, b) random orthogonal projection, a pure function of (dim, bits, seed)."""
+    gen = torch.Generator().manual_seed(int(seed) % (2**63))
+    blocks = [_orthogonal(dim, gen) for _ in range(-(-bits // dim))]
+    return torch.cat(blocks, dim=1)[:, :bits].contiguous()
+
+
+def itq_projection(x: torch.Tensor, bits: int, iterations: int, seed: int) -> torch.Tensor:
+    """(d, b) ITQ projection learned on x (n, d) (unit rows; a few thousand are enough)."""
+    d = x.shape[1]
+    if bits > d:
+        raise ValueError(f"rotation 'itq' needs code_bits <= embedding_dim, got code_bits={bits} > {d}; "
+                         "use rotation 'random'")
+    x = x.double()
+    mean = x.mean(0, keepdim=True)
+    _, _, vh = torch.linalg.svd(x - mean, full_matrices=False)  # principal directions
+    pca = vh[:bits].t()  # (d, b)
+    v = x @ pca  # (n, b); no centring at query time, so the codes stay angle-based
+    gen = torch.Generator().manual_seed(int(seed) % (2**63))
+    r = _orthogonal(bits, gen).double()
+    for _ in range(iterations):
+        b = torch.sign(v @ r)
+        b[b == 0] = 1
+        u, _, wt = torch.linalg.svd(v.t() @ b)  # orthogonal Procrustes: R = U W^T
+        r = u @ wt
+    return (pca @ r).float().contiguous()
+
+
+def encode(x: torch.Tensor, projection: torch.Tensor, chunk: int = 1 << 16) -> torch.Tensor:
+    """Packed codes (n, b // 8) uint8 of the rows of x (n, d), in row chunks."""
+    out = torch.empty((x.shape[0], projection.shape[1] // 8), dtype=torch.uint8, device=x.device)
+    p = projection.to(x.device)
+    for a in range(0, x.shape[0], chunk):
+        out[a: a + chunk] = pack_signs(x[a: a + chunk].float() @ p)
+    return out

@@ -1,0 +1,133 @@
+"""The ANN index of one class shard: binary codes in an inverted file over unit weights.
+
+Legend: L rows (classes of the shard), d dim, b code bits, c lists, N queries.
+
+``build(weight)`` learns the projection (once; ITQ on a sample), runs spherical k-means,
+assigns every row to a list and stores the rows' codes in list order (CSR, the layout of
+ops/hamming.py). ``refresh(weight, rows)`` re-encodes rows whose weights changed, in
+place: list membership stays until the next ``build`` (a row's list is a coarse cell,
+its code is what ranks it). ``search(queries, nprobe, k)`` returns, per query, the k rows
+of smallest Hamming distance in its nprobe nearest lists, and ``rerank`` re-orders a
+longer candidate list by the exact cosine.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ds_xc.sampling.ann.codes import encode, itq_projection, random_projection
+from ds_xc.sampling.ann.ivf import assign, build_lists, spherical_kmeans
+from ops.hamming import hamming_topk_ivf
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AnnIndex", "exact_cosine_rerank"]
+
+_ITQ_SAMPLE = 20000  # rows used to learn the ITQ rotation
+
+
+class AnnIndex:
+    """Binary codes + inverted file over the rows of one weight shard."""
+
+    def __init__(self, dim: int, code_bits: int, rotation: str = "random", nlist: int = 0,
+                 kmeans_iterations: int = 10, seed: int = 0, backend: str = "auto"):
+        self.dim, self.code_bits, self.rotation = dim, code_bits, rotation
+        self.nlist_config, self.kmeans_iterations = nlist, kmeans_iterations
+        self.seed, self.backend = int(seed), backend
+        self.projection: Optional[torch.Tensor] = None  # (d, b)
+        self.centroids: Optional[torch.Tensor] = None  # (c, d)
+        self.list_offsets = self.list_ids = self.list_codes = self.position = None
+        self.builds = 0
+
+    @property
+    def built(self) -> bool:
+        return self.list_codes is not None
+
+    def num_lists(self, rows: int) -> int:
+        return min(rows, self.nlist_config or max(1, round(math.sqrt(rows))))
+
+    @torch.no_grad()
+    def build(self, weight: torch.Tensor) -> None:
+        """(Re)build everything from the current weights (L, d)."""
+        wn = F.normalize(weight.detach().float(), dim=1)  # (L, d)
+        rows = wn.shape[0]
+        if self.projection is None:
+            if self.rotation == "itq":
+                gen = torch.Generator().manual_seed(self.seed + 17)
+                sample = wn[torch.randperm(rows, generator=gen)[:_ITQ_SAMPLE].to(wn.device)]
+                self.projection = itq_projection(sample.cpu(), self.code_bits, 20, self.seed)
+            else:
+                self.projection = random_projection(self.dim, self.code_bits, self.seed)
+        self.projection = self.projection.to(wn.device)
+        c = self.num_lists(rows)
+        self.centroids = spherical_kmeans(wn, c, self.kmeans_iterations, self.seed + self.builds)
+        offsets, ids = build_lists(assign(wn, self.centroids), c)
+        self.list_offsets, self.list_ids = offsets, ids
+        self.list_codes = encode(wn[ids], self.projection)  # (L, b/8) in list order
+        self.position = torch.empty_like(ids)
+        self.position[ids] = torch.arange(rows, device=ids.device)  # row -> slot in list order
+        self.builds += 1
+        log.debug("ANN index built: %d rows, %d lists, %d bits", rows, c, self.code_bits)
+
+    @torch.no_grad()
+    def refresh(self, weight: torch.Tensor, rows: Optional[torch.Tensor] = None) -> None:
+        """Re-encode ``rows`` (all when None) from the current weights; lists are kept."""
+        if rows is None:
+            wn = F.normalize(weight.detach().float(), dim=1)
+            self.list_codes = encode(wn[self.list_ids], self.projection)
+            return
+        if rows.numel() == 0:
+            return
+        wn = F.normalize(weight.detach()[rows].float(), dim=1)  # (R, d)
+        self.list_codes[self.position[rows]] = encode(wn, self.projection)
+
+    @torch.no_grad()
+    def search(self, queries: torch.Tensor, nprobe: int, k: int) -> torch.Tensor:
+        """Local row ids (N, k) of smallest Hamming distance in each query's nprobe lists (-1: none).
+
+        queries (N, d) are unit vectors.
+        """
+        q = queries.float()
+        probes = torch.topk(q @ self.centroids.t(), min(nprobe, self.centroids.shape[0]), dim=1).indices
+        codes = encode(q, self.projection)  # (N, b/8)
+        _, ids = hamming_topk_ivf(codes, self.list_codes, self.list_ids, self.list_offsets, probes, k,
+                                  backend=self.backend, check=False)
+        return ids
+
+    def state_dict(self) -> dict:
+        return {"projection": self.projection, "centroids": self.centroids, "list_offsets": self.list_offsets,
+                "list_ids": self.list_ids, "list_codes": self.list_codes, "builds": self.builds,
+                "code_bits": self.code_bits, "rotation": self.rotation}
+
+    def load_state_dict(self, state: dict, device=None) -> None:
+        if state["code_bits"] != self.code_bits or state["rotation"] != self.rotation:
+            raise ValueError(f"saved ANN index has code_bits={state['code_bits']} rotation={state['rotation']!r}, "
+                             f"this sampler has code_bits={self.code_bits} rotation={self.rotation!r}")
+        move = (lambda t: None if t is None else t.to(device)) if device is not None else (lambda t: t)
+        self.projection, self.centroids = move(state["projection"]), move(state["centroids"])
+        self.list_offsets, self.list_ids = move(state["list_offsets"]), move(state["list_ids"])
+        self.list_codes, self.builds = move(state["list_codes"]), int(state["builds"])
+        if self.list_ids is not None:
+            self.position = torch.empty_like(self.list_ids)
+            self.position[self.list_ids] = torch.arange(self.list_ids.numel(), device=self.list_ids.device)
+
+
+@torch.no_grad()
+def exact_cosine_rerank(queries: torch.Tensor, weight: torch.Tensor, candidates: torch.Tensor, k: int,
+                        chunk: int = 128) -> torch.Tensor:
+    """Re-order candidates (N, R) (-1 = none) by the exact cosine with queries (N, d); keep k."""
+    out = torch.full((candidates.shape[0], k), -1, dtype=torch.int64, device=candidates.device)
+    for a in range(0, candidates.shape[0], chunk):
+        cand = candidates[a: a + chunk]  # (n, R)
+        valid = cand >= 0
+        w = F.normalize(weight.detach()[cand.clamp_min(0)].float(), dim=2)  # (n, R, d)
+        score = torch.bmm(w, queries[a: a + chunk].float().unsqueeze(2)).squeeze(2)  # (n, R)
+        score = score.masked_fill(~valid, float("-inf"))
+        top = torch.topk(score, min(k, cand.shape[1]), dim=1)
+        picked = cand.gather(1, top.indices)
+        out[a: a + chunk, : picked.shape[1]] = torch.where(torch.isfinite(top.values), picked, -1)
+    return out

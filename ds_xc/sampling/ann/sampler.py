@@ -1,0 +1,146 @@
+"""ANN softmax sampler: the classes of highest logit, retrieved per sample from the index.
+
+Legend: N rows of the global batch, d dim, L classes of the shard, K budget per group,
+G groups, r = top_k retrieved per row.
+
+Per step and rank: the normalised gathered embeddings query this shard's index (binary
+codes + inverted file, optional exact re-rank); the global batch is split into G groups
+of rows, and each group's active set is its positives, then what its rows retrieved (in
+rank order), then uniform fill, cut to K = ceil(sample_rate * L) (see active.py). With
+G = 1 that is the plain ANN sampler; with more groups every row's retrieval budget grows
+from K/N to K*G/N classes while the FLOPs stay N*K*d (the cost: G gathers of K rows).
+
+Index upkeep (counted in training forwards, i.e. calls with gradients enabled): the
+index is built at the first forward, after a load whose weights it does not describe,
+and every ``rebuild_interval`` steps; in between, the rows that the optimizer may have
+changed (last step's active set with lazy updates, every row with dense ones) are
+re-encoded every ``encode_interval`` steps, right before they are queried.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ds_xc.sampling.active import assemble, remap_targets
+from ds_xc.sampling.ann.index import AnnIndex, exact_cosine_rerank
+from ds_xc.sampling.base import ActiveSet, Sampler, budget, local_targets
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AnnSampler", "group_bounds"]
+
+
+def group_bounds(num_rows: int, groups: int) -> list:
+    """G+1 row offsets splitting N rows into G contiguous, nearly equal groups."""
+    groups = max(1, min(groups, num_rows))
+    return [round(g * num_rows / groups) for g in range(groups + 1)]
+
+
+class AnnSampler(Sampler):
+    needs_embeddings = True
+
+    def __init__(self, config, num_local, class_start, seed, rank, device=None):
+        super().__init__(config, num_local, class_start, seed, rank, device)
+        self.index: Optional[AnnIndex] = None
+        self.index_seed = int(seed) * 7919 + 101 * (rank + 1)
+        self.steps = 0  # training forwards seen
+        self.built_at: Optional[int] = None
+        self.dirty: Optional[torch.Tensor] = None  # rows to re-encode; None = none pending
+        self.dense_updates = False  # set by the head: with dense updates every row changes each step
+        self.last_stats: dict = {}
+        self.last_retrieved: Optional[torch.Tensor] = None  # (N, r) local ids of the last step
+
+    # ------------------------------------------------------------------ upkeep
+    def _new_index(self, dim: int) -> AnnIndex:
+        c = self.config
+        return AnnIndex(dim, c.code_bits, c.rotation, c.nlist, c.kmeans_iterations, self.index_seed, c.backend)
+
+    def rebuild(self, weight: torch.Tensor) -> None:
+        """Rebuild the index from ``weight`` now (k-means, lists, every code)."""
+        if self.index is None:
+            self.index = self._new_index(weight.shape[1])
+        self.index.build(weight)
+        self.built_at, self.dirty = self.steps, None
+        log.info("ANN index of classes [%d, %d) rebuilt at step %d (%d lists)", self.class_start,
+                 self.class_start + self.num_local, self.steps, self.index.centroids.shape[0])
+
+    def invalidate(self) -> None:
+        """Forget the index: the next forward rebuilds it."""
+        self.built_at = None
+
+    @property
+    def staleness(self) -> int:
+        """Steps since the last k-means rebuild (-1 before the first)."""
+        return -1 if self.built_at is None else self.steps - self.built_at
+
+    def _upkeep(self, weight: torch.Tensor) -> None:
+        c = self.config
+        if self.index is None or not self.index.built or self.built_at is None or (
+                c.rebuild_interval and self.steps - self.built_at >= c.rebuild_interval):
+            self.rebuild(weight)
+        elif c.encode_interval and self.steps % c.encode_interval == 0:
+            if self.dense_updates:
+                self.index.refresh(weight)
+            elif self.dirty is not None:
+                self.index.refresh(weight, self.dirty)
+            self.dirty = None
+
+    # ------------------------------------------------------------------ sampling
+    def retrieve(self, queries: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Local ids (N, top_k) of each unit query's best classes (-1 where fewer exist)."""
+        c = self.config
+        k = min(c.top_k, self.num_local)
+        if c.rerank:
+            cand = self.index.search(queries, c.nprobe, min(c.rerank, self.num_local))
+            return exact_cosine_rerank(queries, weight, cand, k)
+        return self.index.search(queries, c.nprobe, k)
+
+    def sample(self, labels, embeddings, weight) -> ActiveSet:
+        local, mine = local_targets(labels, self.class_start, self.num_local)
+        k = budget(self.config.sample_rate, self.num_local)
+        if k >= self.num_local:  # every class: exactly the full softmax
+            return ActiveSet(index=torch.arange(self.num_local, device=labels.device),
+                             targets=torch.where(mine, local, torch.full_like(local, -1)))
+        training = torch.is_grad_enabled()
+        self._upkeep(weight)
+        queries = F.normalize(embeddings.float(), dim=1)  # (N, d)
+        retrieved = self.retrieve(queries, weight)  # (N, r)
+        self.last_retrieved = retrieved
+        bounds = group_bounds(labels.numel(), self.config.groups)
+        targets = torch.full_like(local, -1)
+        indices, stats = [], []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            positives = torch.unique(local[a:b][mine[a:b]])
+            index, st = assemble(positives, retrieved[a:b], k, self.num_local, self.generator)
+            targets[a:b] = remap_targets(index, local[a:b], mine[a:b])
+            indices.append(index)
+            stats.append(st)
+        self.last_stats = {key: sum(s[key] for s in stats) for key in stats[0]}
+        self.last_stats["staleness"] = self.staleness
+        if training:
+            self.steps += 1
+            changed = indices[0] if len(indices) == 1 else torch.unique(torch.cat(indices))
+            self.dirty = changed if self.dirty is None else torch.unique(torch.cat([self.dirty, changed]))
+        if len(indices) == 1:
+            return ActiveSet(index=indices[0], targets=targets)
+        return ActiveSet(index=indices, targets=targets, bounds=bounds)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state(), "steps": self.steps, "built_at": self.built_at,
+                "dirty": self.dirty, "index": None if self.index is None else self.index.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+        self.steps, self.built_at, self.dirty = int(state["steps"]), state["built_at"], state["dirty"]
+        if self.dirty is not None:
+            self.dirty = self.dirty.to(self.device)
+        if state.get("index") is None:
+            self.index, self.built_at = None, None
+            return
+        dim = state["index"]["projection"].shape[0]
+        self.index = self._new_index(dim)
+        self.index.load_state_dict(state["index"], self.device)

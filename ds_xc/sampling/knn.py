@@ -1,0 +1,115 @@
+"""KNN softmax sampler: active set = positives, their nearest classes, then uniform fill.
+
+Legend: L classes of the shard, d dim, k neighbours per class.
+
+A k-nearest-neighbour graph over the shard's unit class weights, (L, k) local ids by
+decreasing cosine, is built at the first training forward, after loading, and every
+``rebuild_interval`` steps: ``exact`` by chunked matmul + top-k (O(L^2 d): for shards up
+to ~10^5 classes on a CPU), ``ann`` through an ANN index (binary codes + inverted file,
+re-ranked exactly) for large shards. Neighbours of the batch's positives are taken in
+rank order (every positive's nearest, then every positive's second nearest, ...).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ds_xc.sampling.active import assemble, remap_targets
+from ds_xc.sampling.ann.index import AnnIndex, exact_cosine_rerank
+from ds_xc.sampling.base import ActiveSet, Sampler, budget, local_targets
+
+log = logging.getLogger(__name__)
+
+__all__ = ["KnnSampler", "knn_graph_exact", "knn_graph_ann"]
+
+
+@torch.no_grad()
+def knn_graph_exact(weight: torch.Tensor, k: int, chunk: int = 4096) -> torch.Tensor:
+    """(L, k) ids of each row's k most similar other rows by cosine, best first."""
+    wn = F.normalize(weight.detach().float(), dim=1)
+    n = wn.shape[0]
+    k = min(k, n - 1)
+    out = torch.empty((n, k), dtype=torch.int64, device=wn.device)
+    for a in range(0, n, chunk):
+        sims = wn[a: a + chunk] @ wn.t()  # (c, L)
+        rows = torch.arange(a, min(a + chunk, n), device=wn.device)
+        sims[rows - a, rows] = float("-inf")  # not its own neighbour
+        out[a: a + chunk] = torch.topk(sims, k, dim=1).indices
+    return out
+
+
+@torch.no_grad()
+def knn_graph_ann(weight: torch.Tensor, k: int, seed: int, code_bits: int = 256, nprobe: int = 16,
+                  chunk: int = 8192) -> torch.Tensor:
+    """(L, k) approximate neighbour ids (-1 where fewer found) through an ANN index."""
+    wn = F.normalize(weight.detach().float(), dim=1)
+    index = AnnIndex(wn.shape[1], code_bits, seed=seed)
+    index.build(wn)
+    n = wn.shape[0]
+    k = min(k, n - 1)
+    out = torch.empty((n, k), dtype=torch.int64, device=wn.device)
+    for a in range(0, n, chunk):
+        q = wn[a: a + chunk]
+        cand = index.search(q, nprobe, min(n, 4 * (k + 1)))
+        rows = torch.arange(a, a + q.shape[0], device=wn.device)[:, None]
+        cand = torch.where(cand == rows, torch.full_like(cand, -1), cand)  # drop self
+        out[a: a + chunk] = exact_cosine_rerank(q, wn, cand, k)
+    return out
+
+
+class KnnSampler(Sampler):
+    def __init__(self, config, num_local, class_start, seed, rank, device=None):
+        super().__init__(config, num_local, class_start, seed, rank, device)
+        self.graph: Optional[torch.Tensor] = None  # (L, k)
+        self.steps, self.built_at = 0, None
+        self.graph_seed = int(seed) * 7919 + 131 * (rank + 1)
+        self.last_stats: dict = {}
+
+    def rebuild(self, weight: torch.Tensor) -> None:
+        """Rebuild the neighbour graph from ``weight`` now."""
+        c = self.config
+        if c.graph == "ann":
+            self.graph = knn_graph_ann(weight, c.neighbors, self.graph_seed)
+        else:
+            self.graph = knn_graph_exact(weight, c.neighbors)
+        self.built_at = self.steps
+        log.info("kNN graph of classes [%d, %d) rebuilt at step %d", self.class_start,
+                 self.class_start + self.num_local, self.steps)
+
+    def invalidate(self) -> None:
+        self.built_at = None
+
+    @property
+    def staleness(self) -> int:
+        return -1 if self.built_at is None else self.steps - self.built_at
+
+    def sample(self, labels, embeddings, weight) -> ActiveSet:
+        local, mine = local_targets(labels, self.class_start, self.num_local)
+        k = budget(self.config.sample_rate, self.num_local)
+        if k >= self.num_local:
+            return ActiveSet(index=torch.arange(self.num_local, device=labels.device),
+                             targets=torch.where(mine, local, torch.full_like(local, -1)))
+        c = self.config
+        if self.graph is None or self.built_at is None or (
+                c.rebuild_interval and self.steps - self.built_at >= c.rebuild_interval):
+            self.rebuild(weight)
+        positives = torch.unique(local[mine])
+        index, self.last_stats = assemble(positives, self.graph[positives], k, self.num_local, self.generator)
+        self.last_stats["staleness"] = self.staleness
+        if torch.is_grad_enabled():
+            self.steps += 1
+        return ActiveSet(index=index, targets=remap_targets(index, local, mine))
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state(), "steps": self.steps, "built_at": self.built_at,
+                "graph": self.graph}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+        self.steps, self.built_at = int(state["steps"]), state["built_at"]
+        self.graph = None if state["graph"] is None else state["graph"].to(self.device)
+        if self.graph is None:
+            self.built_at = None

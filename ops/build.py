@@ -1,0 +1,41 @@
+"""Prebuild the native Hamming ops into the torch extensions cache.
+
+    python -m ops.build            # the C++ CPU op, and the CUDA op when CUDA is available
+    python -m ops.build --verbose  # show the compiler commands
+
+Later processes then only load the cached library. Exits 1 if a requested op fails.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+import torch
+
+from ops import builders
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--verbose", action="store_true", help="print the compiler commands")
+    parser.add_argument("--kinds", default="auto",
+                        help="comma-separated ops to build (cpu,cuda); auto: cpu, plus cuda if available")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    kinds = args.kinds.split(",") if args.kinds != "auto" else (
+        ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
+    failed = []
+    for kind in kinds:
+        start = time.perf_counter()
+        op = builders.load_op(kind, verbose=args.verbose)
+        if op is None:
+            failed.append(kind)
+        else:
+            print(f"{kind}: {op.__file__} ({time.perf_counter() - start:.1f} s)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

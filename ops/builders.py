@@ -1,0 +1,121 @@
+"""DeepSpeed OpBuilders for the Hamming scan kernels, and a loader that falls back.
+
+``HammingBuilder`` (C++/OpenMP, ops/csrc/hamming_cpu.cpp) and ``HammingCudaBuilder``
+(ops/csrc/hamming_cuda.cu + hamming_cuda_binding.cpp) follow DeepSpeed's pattern:
+``load()`` imports a prebuilt op if DeepSpeed's install recorded one, else JIT-compiles
+it with ninja through ``torch.utils.cpp_extension.load`` into the torch extensions cache
+(``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions/py<ver>_<cpu|cuXYZ>/<name>``).
+A later process finds the cached build and only loads it (well under a second); torch
+rebuilds when a source or flag changes. The sources are found next to this file, so an
+editable install and a wheel that ships ops/csrc/ both work.
+
+``load_op(kind)`` is what the Python API calls: it builds at most once per process and,
+when the build fails, logs one warning and returns None so the caller falls back to the
+PyTorch implementation.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import time
+
+from deepspeed.ops.op_builder.builder import CUDAOpBuilder, OpBuilder
+
+__all__ = ["HammingBuilder", "HammingCudaBuilder", "load_op", "BUILDERS", "CSRC"]
+
+logger = logging.getLogger(__name__)
+
+CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+
+
+def _popcnt_flags() -> list:
+    # The hardware popcount instruction; not -march=native, so that a build cached on a
+    # shared home directory also runs on an older CPU of the same architecture.
+    return ["-mpopcnt"] if platform.machine() in ("x86_64", "AMD64") else []
+
+
+class HammingBuilder(OpBuilder):
+    """C++ CPU kernel: OpenMP over queries, 64/32-bit popcount, bucket top-k selection."""
+
+    BUILD_VAR = "DS_BUILD_DS_XC_HAMMING"
+    NAME = "ds_xc_hamming_cpu"
+
+    def __init__(self):
+        super().__init__(name=self.NAME)
+
+    def absolute_name(self):
+        return f"ops.{self.NAME}_op"
+
+    def sources(self):
+        return [os.path.join(CSRC, "hamming_cpu.cpp")]
+
+    def include_paths(self):
+        return [CSRC]
+
+    def cxx_args(self):
+        return ["-O3", "-fopenmp", "-Wall", *_popcnt_flags()]
+
+    def extra_ldflags(self):
+        return ["-fopenmp"]
+
+
+class HammingCudaBuilder(CUDAOpBuilder):
+    """CUDA kernel: one thread block per query, shared-memory histogram + radix select."""
+
+    BUILD_VAR = "DS_BUILD_DS_XC_HAMMING_CUDA"
+    NAME = "ds_xc_hamming_cuda"
+
+    def __init__(self):
+        super().__init__(name=self.NAME)
+
+    def absolute_name(self):
+        return f"ops.{self.NAME}_op"
+
+    def sources(self):
+        return [os.path.join(CSRC, "hamming_cuda_binding.cpp"),
+                os.path.join(CSRC, "hamming_cuda.cu")]
+
+    def include_paths(self):
+        return [CSRC]
+
+    def is_compatible(self, verbose=False):
+        import torch
+        if not torch.cuda.is_available():
+            self.error_log = "no CUDA device (or a CPU build of torch)"
+            return False
+        return super().is_compatible(verbose)
+
+    def nvcc_args(self):
+        return super().nvcc_args() + ["-lineinfo"]
+
+
+BUILDERS = {"cpu": HammingBuilder, "cuda": HammingCudaBuilder}
+_OPS: dict = {}  # kind -> loaded module, or None after a failed build (no retry)
+
+
+def load_op(kind: str, verbose: bool = False):
+    """The built op module for `kind` ("cpu" or "cuda"), or None if it cannot be built.
+
+    Builds (or loads from the cache) at most once per process; a failure is logged once
+    as a warning, and callers fall back to the PyTorch implementation.
+    """
+    if kind not in BUILDERS:
+        raise ValueError(f"kind = {kind!r} is not one of {sorted(BUILDERS)}")
+    if kind in _OPS:
+        return _OPS[kind]
+    builder = BUILDERS[kind]()
+    start = time.perf_counter()
+    try:
+        if not builder.is_compatible(verbose):
+            raise RuntimeError(builder.error_log or "not compatible")
+        op = builder.load(verbose=verbose)
+    except Exception as exc:  # a compiler error, no ninja, no CUDA: fall back to torch
+        msg = str(exc).strip() or repr(exc)
+        logger.warning("ds_xc %s Hamming op unavailable, falling back to the PyTorch "
+                       "implementation: %s: %s", kind, type(exc).__name__, msg[-2000:])
+        op = None
+    else:
+        logger.info("ds_xc %s Hamming op ready in %.1f s", kind, time.perf_counter() - start)
+    _OPS[kind] = op
+    return op
