@@ -10,6 +10,7 @@ and this job (``xc_train``); the flags below override the file. Only rank 0 prin
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -39,8 +40,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval_every", type=int, help="override xc_train.eval_every (0: only at the end)")
     p.add_argument("--save_dir", help="checkpoint folder (saved at the end and every xc_train.save_every)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save_dir")
+    p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="override any config key, e.g. --set extreme_classification.sampler.type=ann "
+                   "(VALUE is read as JSON when it parses, else as a string; repeatable)")
+    p.add_argument("--summary_json", help="write the final summary and the evaluation history to this file")
     p.add_argument("--verbose", action="store_true", help="show DeepSpeed's and ds_xc's INFO logs")
     return p.parse_args(argv)
+
+
+def apply_override(raw: dict, item: str) -> None:
+    """Set ``a.b.c=VALUE`` in the nested config dict (intermediate objects are created)."""
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"--set expects KEY.PATH=VALUE, got {item!r}")
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = value
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise SystemExit(f"--set {item!r}: {part!r} is not an object in the config")
+    node[parts[-1]] = parsed
 
 
 def build_config(args) -> dict:
@@ -50,6 +73,8 @@ def build_config(args) -> dict:
                                 ("data", train, args.data), ("eval_every", train, args.eval_every)]:
         if value is not None:
             section[key] = value
+    for item in args.set:
+        apply_override(raw, item)
     return raw
 
 
@@ -115,7 +140,7 @@ def main(argv=None) -> dict:
         bar = tqdm(total=tcfg.max_steps, initial=start, unit="step", dynamic_ncols=True, file=sys.stdout,
                    mininterval=0.5 if tty else 30.0, maxinterval=60.0 if tty else 120.0)
     monitor = xc.engine.monitor if getattr(xc.engine.monitor, "enabled", False) else None
-    t0, samples, ev = time.perf_counter(), 0, {}
+    t0, samples, ev, history = time.perf_counter(), 0, {}, []
     for step in range(start, tcfg.max_steps):
         for m in range(gas):
             x, y = data.train_batch(step * gas + m, micro, rank, world)
@@ -136,6 +161,7 @@ def main(argv=None) -> dict:
             bar.update(1)
         if tcfg.eval_every and done % tcfg.eval_every == 0 and done != tcfg.max_steps:
             ev = evaluate()
+            history.append(dict(ev, step=done, loss=loss.item(), seconds=time.perf_counter() - t0))
             if bar is not None:
                 bar.write(f"step {done}: loss {loss.item():.4f}, held-out top-1 {ev['top1']:.4f} "
                           f"top-5 {ev['top5']:.4f}")
@@ -147,10 +173,16 @@ def main(argv=None) -> dict:
     if bar is not None:
         bar.close()
     ev = evaluate()
+    final_loss = loss.item() if tcfg.max_steps > start else float("nan")
+    history.append(dict(ev, step=tcfg.max_steps, loss=final_loss, seconds=elapsed))
     save(tcfg.max_steps)
     summary = {"steps": tcfg.max_steps - start, "samples_per_s": samples / max(elapsed, 1e-9),
                "top1": ev["top1"], "top5": ev["top5"], "eval_samples": ev["samples"],
-               "final_loss": loss.item() if tcfg.max_steps > start else float("nan"), "seconds": elapsed}
+               "final_loss": final_loss, "seconds": elapsed, "world_size": world,
+               "evals": history, "sampler_stats": xc.head.sampler_stats()}
+    if args.summary_json and rank == 0:
+        with open(args.summary_json, "w") as fh:
+            json.dump(summary, fh, indent=1)
     say(f"done: {summary['steps']} steps in {elapsed:.1f} s, {summary['samples_per_s']:.0f} samples/s, "
         f"final loss {summary['final_loss']:.4f}, held-out top-1 {ev['top1']:.4f} top-5 {ev['top5']:.4f} "
         f"({ev['samples']} samples)")

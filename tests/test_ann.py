@@ -214,3 +214,23 @@ def test_quality_metrics_match_brute_force():
     assert got["softmax_mass"] == pytest.approx(p[:, mask].sum(1).mean().item(), rel=1e-6)
     full = active_set_quality(x, w, 0, ActiveSet(index=None, targets=active.targets), True, 5.0)
     assert full["recall_active@10"] == 1.0 and full["softmax_mass"] == pytest.approx(1.0)
+
+
+def test_dot_metric_ranks_by_inner_product():
+    g = torch.Generator().manual_seed(0)
+    w = clustered(1000, 16) * torch.rand(1000, 1, generator=g).mul(3).add(0.1)  # varying norms
+    q = torch.randn(20, 16, generator=g)
+    index = AnnIndex(16, 256, nlist=10, seed=0, backend="torch", metric="dot")
+    index.build(w)
+    unit = index.unit_rows(w)
+    torch.testing.assert_close(unit.norm(dim=1), torch.ones(1000))
+    # cosine in the augmented space orders like the inner product, for each query
+    aug = index.unit_queries(q) @ unit.t()
+    assert torch.equal(aug.argsort(dim=1, descending=True)[:, :10], (q @ w.t()).argsort(dim=1, descending=True)[:, :10])
+    cand = index.search(q, nprobe=10, k=1000)  # every row: re-rank is then exact
+    top = exact_cosine_rerank(q, w, cand, 10, metric="dot")
+    assert torch.equal(top, torch.topk(q @ w.t(), 10, dim=1).indices)
+    coarse = index.search(q, nprobe=3, k=50)
+    recall = (exact_cosine_rerank(q, w, coarse, 10, metric="dot")[:, :, None]
+              == torch.topk(q @ w.t(), 10, dim=1).indices[:, None, :]).any(2).float().mean()
+    assert recall > 0.7

@@ -100,6 +100,7 @@ class ClassParallelHead(nn.Module):
         self.sampler = build_sampler(self.sampler_config, self.num_local, self.class_start, seed,
                                      self.rank, self.weight.device)
         self.sampler.dense_updates = update == "dense"  # every row changes each step: re-encode all
+        self.sampler.metric = "cosine" if self.loss_fn.normalised else "dot"  # what the logits rank by
         self.last_active: Optional[ActiveSet] = None
         self.last_metrics: dict = {}
         log.info("ClassParallelHead rank %d/%d: classes [%d, %d) of %d, d=%d, loss=%s, sampler=%s",

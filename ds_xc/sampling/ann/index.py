@@ -9,6 +9,12 @@ place: list membership stays until the next ``build`` (a row's list is a coarse 
 its code is what ranks it). ``search(queries, nprobe, k)`` returns, per query, the k rows
 of smallest Hamming distance in its nprobe nearest lists, and ``rerank`` re-orders a
 longer candidate list by the exact cosine.
+
+Metrics: ``cosine`` (margin losses) indexes the unit weights. ``dot`` (plain softmax,
+whose logits are x.w) uses the classic reduction of maximum inner product search to
+cosine search: every weight becomes the unit vector [w / M, sqrt(1 - |w|^2 / M^2)] with M
+the largest row norm at build time, and a query becomes [x / |x|, 0], so the cosine of
+the two is x.w / (M |x|): the same order as the logits, for every query.
 """
 from __future__ import annotations
 
@@ -34,7 +40,11 @@ class AnnIndex:
     """Binary codes + inverted file over the rows of one weight shard."""
 
     def __init__(self, dim: int, code_bits: int, rotation: str = "random", nlist: int = 0,
-                 kmeans_iterations: int = 10, seed: int = 0, backend: str = "auto"):
+                 kmeans_iterations: int = 10, seed: int = 0, backend: str = "auto", metric: str = "cosine"):
+        if metric not in ("cosine", "dot"):
+            raise ValueError(f"metric={metric!r}: allowed 'cosine', 'dot'")
+        self.metric, self.max_norm = metric, None
+        dim = dim + 1 if metric == "dot" else dim  # the extra coordinate of the MIPS reduction
         self.dim, self.code_bits, self.rotation = dim, code_bits, rotation
         self.nlist_config, self.kmeans_iterations = nlist, kmeans_iterations
         self.seed, self.backend = int(seed), backend
@@ -50,10 +60,25 @@ class AnnIndex:
     def num_lists(self, rows: int) -> int:
         return min(rows, self.nlist_config or max(1, round(math.sqrt(rows))))
 
+    def unit_rows(self, weight: torch.Tensor) -> torch.Tensor:
+        """The unit vectors indexed for weight rows (R, d): (R, d) or (R, d+1) for ``dot``."""
+        w = weight.detach().float()
+        if self.metric == "cosine":
+            return F.normalize(w, dim=1)
+        w = w / self.max_norm
+        extra = (1.0 - (w * w).sum(dim=1, keepdim=True)).clamp_min(0.0).sqrt()
+        return F.normalize(torch.cat([w, extra], dim=1), dim=1)  # renormalise rows grown past M
+
+    def unit_queries(self, queries: torch.Tensor) -> torch.Tensor:
+        q = F.normalize(queries.float(), dim=1)
+        return q if self.metric == "cosine" else torch.cat([q, q.new_zeros((q.shape[0], 1))], dim=1)
+
     @torch.no_grad()
     def build(self, weight: torch.Tensor) -> None:
         """(Re)build everything from the current weights (L, d)."""
-        wn = F.normalize(weight.detach().float(), dim=1)  # (L, d)
+        if self.metric == "dot":
+            self.max_norm = float(weight.detach().float().norm(dim=1).max().clamp_min(1e-12))
+        wn = self.unit_rows(weight)  # (L, d) (d+1 for dot)
         rows = wn.shape[0]
         if self.projection is None:
             if self.rotation == "itq":
@@ -77,21 +102,19 @@ class AnnIndex:
     def refresh(self, weight: torch.Tensor, rows: Optional[torch.Tensor] = None) -> None:
         """Re-encode ``rows`` (all when None) from the current weights; lists are kept."""
         if rows is None:
-            wn = F.normalize(weight.detach().float(), dim=1)
-            self.list_codes = encode(wn[self.list_ids], self.projection)
+            self.list_codes = encode(self.unit_rows(weight)[self.list_ids], self.projection)
             return
         if rows.numel() == 0:
             return
-        wn = F.normalize(weight.detach()[rows].float(), dim=1)  # (R, d)
-        self.list_codes[self.position[rows]] = encode(wn, self.projection)
+        self.list_codes[self.position[rows]] = encode(self.unit_rows(weight[rows]), self.projection)
 
     @torch.no_grad()
     def search(self, queries: torch.Tensor, nprobe: int, k: int) -> torch.Tensor:
         """Local row ids (N, k) of smallest Hamming distance in each query's nprobe lists (-1: none).
 
-        queries (N, d) are unit vectors.
+        queries (N, d) need not be normalised.
         """
-        q = queries.float()
+        q = self.unit_queries(queries)
         probes = torch.topk(q @ self.centroids.t(), min(nprobe, self.centroids.shape[0]), dim=1).indices
         codes = encode(q, self.projection)  # (N, b/8)
         _, ids = hamming_topk_ivf(codes, self.list_codes, self.list_ids, self.list_offsets, probes, k,
@@ -101,12 +124,15 @@ class AnnIndex:
     def state_dict(self) -> dict:
         return {"projection": self.projection, "centroids": self.centroids, "list_offsets": self.list_offsets,
                 "list_ids": self.list_ids, "list_codes": self.list_codes, "builds": self.builds,
-                "code_bits": self.code_bits, "rotation": self.rotation}
+                "code_bits": self.code_bits, "rotation": self.rotation, "metric": self.metric,
+                "max_norm": self.max_norm}
 
     def load_state_dict(self, state: dict, device=None) -> None:
-        if state["code_bits"] != self.code_bits or state["rotation"] != self.rotation:
-            raise ValueError(f"saved ANN index has code_bits={state['code_bits']} rotation={state['rotation']!r}, "
-                             f"this sampler has code_bits={self.code_bits} rotation={self.rotation!r}")
+        mine = (self.code_bits, self.rotation, self.metric)
+        theirs = (state["code_bits"], state["rotation"], state.get("metric", "cosine"))
+        if mine != theirs:
+            raise ValueError(f"saved ANN index has (code_bits, rotation, metric)={theirs}, this sampler has {mine}")
+        self.max_norm = state.get("max_norm")
         move = (lambda t: None if t is None else t.to(device)) if device is not None else (lambda t: t)
         self.projection, self.centroids = move(state["projection"]), move(state["centroids"])
         self.list_offsets, self.list_ids = move(state["list_offsets"]), move(state["list_ids"])
@@ -118,13 +144,16 @@ class AnnIndex:
 
 @torch.no_grad()
 def exact_cosine_rerank(queries: torch.Tensor, weight: torch.Tensor, candidates: torch.Tensor, k: int,
-                        chunk: int = 128) -> torch.Tensor:
-    """Re-order candidates (N, R) (-1 = none) by the exact cosine with queries (N, d); keep k."""
+                        chunk: int = 128, metric: str = "cosine") -> torch.Tensor:
+    """Re-order candidates (N, R) (-1 = none) by the exact cosine (or dot product) with
+    queries (N, d); keep k."""
     out = torch.full((candidates.shape[0], k), -1, dtype=torch.int64, device=candidates.device)
     for a in range(0, candidates.shape[0], chunk):
         cand = candidates[a: a + chunk]  # (n, R)
         valid = cand >= 0
-        w = F.normalize(weight.detach()[cand.clamp_min(0)].float(), dim=2)  # (n, R, d)
+        w = weight.detach()[cand.clamp_min(0)].float()  # (n, R, d)
+        if metric == "cosine":
+            w = F.normalize(w, dim=2)
         score = torch.bmm(w, queries[a: a + chunk].float().unsqueeze(2)).squeeze(2)  # (n, R)
         score = score.masked_fill(~valid, float("-inf"))
         top = torch.topk(score, min(k, cand.shape[1]), dim=1)

@@ -50,13 +50,15 @@ class AnnSampler(Sampler):
         self.built_at: Optional[int] = None
         self.dirty: Optional[torch.Tensor] = None  # rows to re-encode; None = none pending
         self.dense_updates = False  # set by the head: with dense updates every row changes each step
+        self.metric = "cosine"  # set by the head: "dot" for plain softmax (logits x.w)
         self.last_stats: dict = {}
         self.last_retrieved: Optional[torch.Tensor] = None  # (N, r) local ids of the last step
 
     # ------------------------------------------------------------------ upkeep
     def _new_index(self, dim: int) -> AnnIndex:
         c = self.config
-        return AnnIndex(dim, c.code_bits, c.rotation, c.nlist, c.kmeans_iterations, self.index_seed, c.backend)
+        return AnnIndex(dim, c.code_bits, c.rotation, c.nlist, c.kmeans_iterations, self.index_seed, c.backend,
+                        metric=self.metric)
 
     def rebuild(self, weight: torch.Tensor) -> None:
         """Rebuild the index from ``weight`` now (k-means, lists, every code)."""
@@ -95,7 +97,7 @@ class AnnSampler(Sampler):
         k = min(c.top_k, self.num_local)
         if c.rerank:
             cand = self.index.search(queries, c.nprobe, min(c.rerank, self.num_local))
-            return exact_cosine_rerank(queries, weight, cand, k)
+            return exact_cosine_rerank(queries, weight, cand, k, metric=self.metric)
         return self.index.search(queries, c.nprobe, k)
 
     def sample(self, labels, embeddings, weight) -> ActiveSet:
@@ -141,6 +143,7 @@ class AnnSampler(Sampler):
         if state.get("index") is None:
             self.index, self.built_at = None, None
             return
-        dim = state["index"]["projection"].shape[0]
+        self.metric = state["index"].get("metric", self.metric)
+        dim = state["index"]["projection"].shape[0] - (1 if self.metric == "dot" else 0)
         self.index = self._new_index(dim)
         self.index.load_state_dict(state["index"], self.device)
