@@ -117,6 +117,10 @@ class AnnSampler(_Section):
     rebuild_interval: int = Field(1000, ge=0, description="Re-run k-means and re-encode every row every N "
                                   "steps (0 = only at start and after loading).")
     kmeans_iterations: int = Field(10, ge=1, le=100, description="Spherical k-means iterations per rebuild.")
+    background_rebuild: bool = Field(
+        False, description="Run the periodic rebuild in a background thread on a snapshot of the weights, "
+        "keeping the old index (with re-encoded rows) until it is done; the swap time depends on the "
+        "machine, so runs are no longer bitwise reproducible.")
     backend: Literal["auto", "torch", "cpu", "cuda", "faiss"] = Field(
         "auto", description="Hamming scan kernel (ops/hamming.py): auto picks cuda, then the C++ kernel, "
         "then PyTorch.")

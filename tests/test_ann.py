@@ -234,3 +234,24 @@ def test_dot_metric_ranks_by_inner_product():
     recall = (exact_cosine_rerank(q, w, coarse, 10, metric="dot")[:, :, None]
               == torch.topk(q @ w.t(), 10, dim=1).indices[:, None, :]).any(2).float().mean()
     assert recall > 0.7
+
+
+def test_background_rebuild_is_adopted_and_rows_changed_meanwhile_are_re_encoded():
+    head = _ann_head(rebuild_interval=2, background_rebuild=True)
+    opt = torch.optim.SGD([head.weight], lr=5.0)
+    x = torch.randn(12, 16, dtype=torch.float64)
+    y = torch.randint(0, 300, (12,))
+    s = head.sampler
+    for _ in range(3):
+        head(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert s._pending is not None  # started at the third forward
+    s._pending.result()  # let the worker finish, as a slow step would
+    head(x, y).backward()
+    opt.step()
+    opt.zero_grad()
+    assert s._pending is None and s.index.builds == 2 and s.built_at == 2
+    head(x, y)  # every row's code now matches the current weights
+    codes = encode(F.normalize(head.weight.detach().float(), dim=1), s.index.projection)
+    assert torch.equal(s.index.list_codes[s.index.position], codes)

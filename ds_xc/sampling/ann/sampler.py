@@ -53,6 +53,8 @@ class AnnSampler(Sampler):
         self.metric = "cosine"  # set by the head: "dot" for plain softmax (logits x.w)
         self.last_stats: dict = {}
         self.last_retrieved: Optional[torch.Tensor] = None  # (N, r) local ids of the last step
+        self._executor = self._pending = self._pending_index = None  # background rebuild
+        self._snapshot_step, self._changed_since = 0, []
 
     # ------------------------------------------------------------------ upkeep
     def _new_index(self, dim: int) -> AnnIndex:
@@ -80,15 +82,52 @@ class AnnSampler(Sampler):
 
     def _upkeep(self, weight: torch.Tensor) -> None:
         c = self.config
-        if self.index is None or not self.index.built or self.built_at is None or (
-                c.rebuild_interval and self.steps - self.built_at >= c.rebuild_interval):
+        self._swap_background(weight)
+        if self.index is None or not self.index.built or self.built_at is None:
             self.rebuild(weight)
-        elif c.encode_interval and self.steps % c.encode_interval == 0:
+            return
+        if c.rebuild_interval and self.steps - self.built_at >= c.rebuild_interval:
+            if not c.background_rebuild:
+                self.rebuild(weight)
+                return
+            if self._pending is None:
+                self._start_background(weight)  # meanwhile the current index is kept up to date
+        if c.encode_interval and self.steps % c.encode_interval == 0:
             if self.dense_updates:
                 self.index.refresh(weight)
             elif self.dirty is not None:
                 self.index.refresh(weight, self.dirty)
             self.dirty = None
+
+    def _start_background(self, weight: torch.Tensor) -> None:
+        """Build a new index from a snapshot of the weights in a worker thread."""
+        from concurrent.futures import ThreadPoolExecutor
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds_xc-ann-rebuild")
+        fresh = self._new_index(weight.shape[1])
+        fresh.projection, fresh.builds = self.index.projection, self.index.builds
+        snapshot = weight.detach().clone()
+        self._pending, self._snapshot_step, self._changed_since = (
+            self._executor.submit(fresh.build, snapshot), self.steps, [])
+        self._pending_index = fresh
+        log.info("ANN index of classes [%d, %d): background rebuild started at step %d", self.class_start,
+                 self.class_start + self.num_local, self.steps)
+
+    def _swap_background(self, weight: torch.Tensor) -> None:
+        """Adopt a finished background build; re-encode the rows changed since its snapshot."""
+        if self._pending is None or not self._pending.done():
+            return
+        self._pending.result()  # re-raises a failure of the worker
+        self.index, self.built_at = self._pending_index, self._snapshot_step
+        changed = self._changed_since + ([self.dirty] if self.dirty is not None else [])
+        if self.dense_updates:
+            self.index.refresh(weight)
+        elif changed:
+            self.index.refresh(weight, torch.unique(torch.cat(changed)))
+        self._pending = self._pending_index = None
+        self.dirty = None
+        log.info("ANN index of classes [%d, %d): background rebuild adopted at step %d", self.class_start,
+                 self.class_start + self.num_local, self.steps)
 
     # ------------------------------------------------------------------ sampling
     def retrieve(self, queries: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -126,6 +165,8 @@ class AnnSampler(Sampler):
             self.steps += 1
             changed = indices[0] if len(indices) == 1 else torch.unique(torch.cat(indices))
             self.dirty = changed if self.dirty is None else torch.unique(torch.cat([self.dirty, changed]))
+            if self._pending is not None:
+                self._changed_since.append(changed)
         if len(indices) == 1:
             return ActiveSet(index=indices[0], targets=targets)
         return ActiveSet(index=indices, targets=targets, bounds=bounds)
@@ -136,6 +177,7 @@ class AnnSampler(Sampler):
                 "dirty": self.dirty, "index": None if self.index is None else self.index.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        self._pending = self._pending_index = None  # a background build of other weights is dropped
         self.generator.set_state(state["generator"])
         self.steps, self.built_at, self.dirty = int(state["steps"]), state["built_at"], state["dirty"]
         if self.dirty is not None:
