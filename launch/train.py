@@ -156,7 +156,9 @@ def main(argv=None) -> dict:
                 bar.set_postfix(loss=f"{loss.item():.3f}", samples_s=f"{rate:.0f}", **{
                     k: f"{v:.3f}" for k, v in ev.items() if k.startswith("top")})
             if monitor is not None:
-                monitor.write_events([("Train/loss", loss.item(), done), ("Train/samples_per_s", rate, done)])
+                stats = [(f"Sampler/{k}", float(v), done) for k, v in xc.head.sampler_stats().items()]
+                monitor.write_events([("Train/loss", loss.item(), done), ("Train/samples_per_s", rate, done)]
+                                     + stats)
         if bar is not None:
             bar.update(1)
         if tcfg.eval_every and done % tcfg.eval_every == 0 and done != tcfg.max_steps:
