@@ -174,6 +174,8 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
     check_supported(raw)
     xc_config = cfg.parse_config(raw)
     deepspeed = _cpu_friendly_deepspeed()
+    if not dist.is_initialized():  # a plain `python script.py` becomes a one-process group
+        init_distributed()
     if model_parameters is None:
         model_parameters = [p for p in model.parameters() if p.requires_grad]
     base_lr = _base_lr(raw, optimizer)
