@@ -32,6 +32,13 @@ def test_random_projection_is_orthogonal_and_deterministic():
         torch.testing.assert_close(block.t() @ block, torch.eye(16), atol=1e-5, rtol=0)
 
 
+def test_fast_packing_matches_the_ops_layout():
+    from ds_xc.sampling.ann.codes import pack
+    from ops.hamming import pack_signs
+    v = torch.randn(37, 96)
+    assert torch.equal(pack(v), pack_signs(v))
+
+
 def test_hamming_distance_estimates_the_angle():
     x = clustered(2000, 32, clusters=1, spread=3.0)
     p = random_projection(32, 1024, seed=1)
@@ -100,7 +107,7 @@ def test_exact_rerank_keeps_best_cosines():
 
 def test_ranked_unique_and_assemble():
     cand = torch.tensor([[5, 7, -1], [7, 9, 2], [1, 5, 3]])
-    assert ranked_unique(cand).tolist() == [5, 7, 1, 9, 2, 3]
+    assert ranked_unique(cand, 10).tolist() == [5, 7, 1, 9, 2, 3]
     gen = torch.Generator().manual_seed(0)
     index, st = assemble(torch.tensor([9, 30]), cand, budget=5, num_local=40, gen=gen)
     assert index.tolist() == sorted([9, 30, 5, 7, 1])

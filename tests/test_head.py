@@ -77,3 +77,4 @@ def test_state_dict_round_trip_and_mismatch_message():
     other = ClassParallelHead(8, 60, dtype=torch.float64)
     with pytest.raises(RuntimeError, match=r"checkpoint holds classes \[0, 50\) of 50 .* expects \[0, 60\) of 60"):
         other.load_state_dict(a.state_dict())
+

@@ -95,3 +95,19 @@ def test_dense_optimizer_given_sparse_gradient_keeps_dense_semantics():
         a.step()
         b.step()
     torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
+
+
+def test_sorted_uncoalesced_rows_take_the_fast_path_with_the_same_result():
+    rows = torch.tensor([0, 3, 7])
+    g = _grads(1)[0]
+    results = []
+    for grad in (torch.sparse_coo_tensor(rows[None], g[rows], (12, 4), check_invariants=True),
+                 torch.sparse_coo_tensor(rows[None], g[rows], (12, 4), check_invariants=True).coalesce(),
+                 torch.sparse_coo_tensor(torch.tensor([[7, 0, 3, 3]]), torch.cat([g[[7, 0, 3]], 0 * g[[3]]]),
+                                         (12, 4), check_invariants=True)):
+        p = _param()
+        opt = HeadAdamW([p], lr=0.1, lazy=True)
+        p.grad = grad
+        opt.step()
+        results.append(p.detach().clone())
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])

@@ -177,7 +177,7 @@ class ClassParallelHead(nn.Module):
         for rows, index in active.groups():  # one group unless the sampler splits the batch
             if index is None:
                 w = self.weight  # (L, d)
-            else:  # (K, d); a sparse gradient for lazy updates
+            else:  # (K, d); a row-sparse gradient for lazy updates
                 w = F.embedding(index, self.weight, sparse=self.update == "lazy")
             part = sharded_margin_loss(x[rows], w, active.targets[rows], self.loss_fn, self.group, self.chunk_size)
             if active.bounds is not None:

@@ -37,7 +37,11 @@ def _rows(p: torch.Tensor, lazy: bool):
         return None, g
     if not lazy or g.sparse_dim() != 1:  # dense semantics, or element-wise COO: densify
         return None, g.to_dense()
-    g = g.coalesce()
+    if not g.is_coalesced():
+        rows = g._indices()[0]
+        if rows.numel() < 2 or bool((rows[1:] > rows[:-1]).all()):
+            return rows, g._values()  # sorted and distinct already (a sampler's active set): no sort
+        g = g.coalesce()
     return g.indices()[0], g.values()
 
 

@@ -18,16 +18,17 @@ import torch
 __all__ = ["assemble", "remap_targets", "ranked_unique"]
 
 
-def ranked_unique(candidates: torch.Tensor) -> torch.Tensor:
-    """Distinct ids of candidates (n, r) (-1 = none) in rank-major order of first appearance."""
+def ranked_unique(candidates: torch.Tensor, num_local: int) -> torch.Tensor:
+    """Distinct ids in [0, L) of candidates (n, r) (-1 = none), in rank-major order of first
+    appearance. O(n r + L), no sort: each id's first position is found by a scatter-min."""
     flat = candidates.t().reshape(-1)  # rank 0 of every row, then rank 1, ...
     flat = flat[flat >= 0]
     if flat.numel() == 0:
         return flat
-    uniq, inverse = torch.unique(flat, return_inverse=True)
-    first = torch.full((uniq.numel(),), flat.numel(), dtype=torch.int64, device=flat.device)
-    first.scatter_reduce_(0, inverse, torch.arange(flat.numel(), device=flat.device), reduce="amin")
-    return uniq[torch.argsort(first)]
+    order = torch.arange(flat.numel(), device=flat.device)
+    first = torch.full((num_local,), flat.numel(), dtype=torch.int64, device=flat.device)
+    first.scatter_reduce_(0, flat, order, reduce="amin")
+    return flat[first[flat] == order]
 
 
 def _uniform_fill(taken: torch.Tensor, count: int, num_local: int, gen: torch.Generator) -> torch.Tensor:
@@ -45,8 +46,8 @@ def _uniform_fill(taken: torch.Tensor, count: int, num_local: int, gen: torch.Ge
     while need > 0:  # sparse case: draw with replacement, drop repeats and taken ids
         draw = torch.randint(0, num_local, (need + need // 4 + 16,), generator=gen, device=gen.device)
         draw = draw.to(taken.device)
-        draw = ranked_unique(draw[None, :])  # distinct, in draw order
-        draw = draw[~mask[draw]][:need]
+        draw = draw[~mask[draw]]
+        draw = ranked_unique(draw[None, :], num_local)[:need]  # distinct, in draw order
         mask[draw] = True
         picked.append(draw)
         need -= draw.numel()
@@ -61,7 +62,7 @@ def assemble(positives: torch.Tensor, candidates: Optional[torch.Tensor], budget
     taken[positives] = True
     k = max(budget, int(positives.numel()))
     room = k - int(positives.numel())
-    ranked = ranked_unique(candidates) if candidates is not None else positives[:0]
+    ranked = ranked_unique(candidates, num_local) if candidates is not None else positives[:0]
     ranked = ranked[~taken[ranked]]
     kept = ranked[:room]
     taken[kept] = True

@@ -60,14 +60,16 @@ class AnnIndex:
     def num_lists(self, rows: int) -> int:
         return min(rows, self.nlist_config or max(1, round(math.sqrt(rows))))
 
-    def unit_rows(self, weight: torch.Tensor) -> torch.Tensor:
-        """The unit vectors indexed for weight rows (R, d): (R, d) or (R, d+1) for ``dot``."""
+    def unit_rows(self, weight: torch.Tensor, normalise: bool = True) -> torch.Tensor:
+        """The vectors indexed for weight rows (R, d): (R, d), or (R, d+1) for ``dot``; unit
+        length unless ``normalise`` is False (enough for codes: signs ignore the norm)."""
         w = weight.detach().float()
         if self.metric == "cosine":
-            return F.normalize(w, dim=1)
+            return F.normalize(w, dim=1) if normalise else w
         w = w / self.max_norm
         extra = (1.0 - (w * w).sum(dim=1, keepdim=True)).clamp_min(0.0).sqrt()
-        return F.normalize(torch.cat([w, extra], dim=1), dim=1)  # renormalise rows grown past M
+        aug = torch.cat([w, extra], dim=1)
+        return F.normalize(aug, dim=1) if normalise else aug  # renormalise rows grown past M
 
     def unit_queries(self, queries: torch.Tensor) -> torch.Tensor:
         q = F.normalize(queries.float(), dim=1)
@@ -92,7 +94,7 @@ class AnnIndex:
         self.centroids = spherical_kmeans(wn, c, self.kmeans_iterations, self.seed + self.builds)
         offsets, ids = build_lists(assign(wn, self.centroids), c)
         self.list_offsets, self.list_ids = offsets, ids
-        self.list_codes = encode(wn[ids], self.projection)  # (L, b/8) in list order
+        self.list_codes = encode(wn, self.projection)[ids]  # (L, b/8) in list order
         self.position = torch.empty_like(ids)
         self.position[ids] = torch.arange(rows, device=ids.device)  # row -> slot in list order
         self.builds += 1
@@ -102,11 +104,12 @@ class AnnIndex:
     def refresh(self, weight: torch.Tensor, rows: Optional[torch.Tensor] = None) -> None:
         """Re-encode ``rows`` (all when None) from the current weights; lists are kept."""
         if rows is None:
-            self.list_codes = encode(self.unit_rows(weight)[self.list_ids], self.projection)
+            self.list_codes = encode(self.unit_rows(weight, normalise=False), self.projection)[self.list_ids]
             return
         if rows.numel() == 0:
             return
-        self.list_codes[self.position[rows]] = encode(self.unit_rows(weight[rows]), self.projection)
+        self.list_codes[self.position[rows]] = encode(self.unit_rows(weight[rows], normalise=False),
+                                                      self.projection)
 
     @torch.no_grad()
     def search(self, queries: torch.Tensor, nprobe: int, k: int) -> torch.Tensor:

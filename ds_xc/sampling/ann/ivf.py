@@ -3,7 +3,7 @@
 Legend: n rows, d dim, c centroids (nlist).
 
 ``spherical_kmeans`` trains on at most ``max_points_per_centroid * c`` sampled rows (as
-faiss does), assigning by the largest cosine and re-normalising the means; an empty
+faiss does; 64 per centroid: the lists only need to be coarse cells), assigning by the largest cosine and re-normalising the means; an empty
 cluster is re-seeded from a random row. ``build_lists`` turns an assignment into the
 CSR layout of ops/hamming.py (ids grouped by list, ascending inside a list).
 """
@@ -27,7 +27,7 @@ def assign(x: torch.Tensor, centroids: torch.Tensor, chunk: int = 1 << 15) -> to
 
 
 def spherical_kmeans(x: torch.Tensor, num_centroids: int, iterations: int, seed: int,
-                     max_points_per_centroid: int = 256) -> torch.Tensor:
+                     max_points_per_centroid: int = 64) -> torch.Tensor:
     """(c, d) unit centroids for the unit rows of x (n, d)."""
     n = x.shape[0]
     c = min(num_centroids, n)

@@ -1,0 +1,148 @@
+"""Element selection for compressed gradients: top-k, random-k, Bayes-prior sampling.
+
+Pure selection maths, no communication: ``select(v, tstate, gen, shared_gen)`` returns
+the sorted, unique indices of the flat tensor ``v`` (gradient plus residual) to send.
+``tstate`` is the tensor's entry of ``optimizer.state`` (thresholds and statistics live
+there so that they are checkpointed). ``gen`` is this rank's generator for the step and
+tensor, ``shared_gen`` one seeded identically on every rank.
+
+A density of 1.0 selects every element, for every method (the transport still runs,
+so that case is an end-to-end check of the sparse path).
+
+Registry: :data:`COMPRESSORS` maps the config's ``method`` to a class.
+"""
+from __future__ import annotations
+
+import math
+from typing import ClassVar, Optional
+
+import torch
+
+from ds_xc.compression import bayes
+from ds_xc.compression.config import GradientCompressionConfig
+
+__all__ = ["Compressor", "TopK", "RandomK", "BayesPrior", "COMPRESSORS", "build_compressor", "num_keep"]
+
+
+def num_keep(n: int, density: float) -> int:
+    """Elements a fixed-count method keeps out of n: round(density * n), at least 1."""
+    return n if density >= 1.0 else max(1, min(n, int(round(density * n))))
+
+
+class Compressor:
+    """Chooses which elements of one tensor's v are sent this step."""
+
+    name: ClassVar[str] = ""
+    shared_indices: ClassVar[bool] = False  # same indices on every rank: a values-only all-reduce suffices
+    uses_stats: ClassVar[bool] = False  # needs the periodic all-reduce of |v| statistics
+
+    def __init__(self, config: GradientCompressionConfig):
+        self.config = config
+        self.density = config.density
+
+    def select(self, v: torch.Tensor, tstate: dict, gen: Optional[torch.Generator],
+               shared_gen: Optional[torch.Generator]) -> torch.Tensor:
+        """Sorted unique int64 indices (m,) into the flat tensor v (n,)."""
+        if self.density >= 1.0:
+            return torch.arange(v.numel(), device=v.device)
+        return self._select(v, tstate, gen, shared_gen)
+
+    def _select(self, v, tstate, gen, shared_gen) -> torch.Tensor:
+        raise NotImplementedError
+
+    def after_select(self, tstate: dict, num_sent: int, numel: int) -> None:
+        """Hook called with the number of elements this rank sent from the tensor."""
+
+
+class TopK(Compressor):
+    """The k = round(density * n) largest |v| (torch.topk, O(n log k)); indices differ per rank."""
+
+    name = "topk"
+
+    def _select(self, v, tstate, gen, shared_gen):
+        k = num_keep(v.numel(), self.density)
+        idx = torch.topk(v.abs(), k, sorted=False).indices  # (k,)
+        return torch.sort(idx).values
+
+
+class RandomK(Compressor):
+    """k = round(density * n) draws of positions from a generator shared by the ranks.
+
+    The indices agree on every rank, so only the values travel (an all-reduce of k values).
+    Draws are with replacement and deduplicated: slightly fewer than k distinct elements
+    (a fraction about k / 2n less), far cheaper than a permutation of n.
+    """
+
+    name = "randomk"
+    shared_indices = True
+
+    def _select(self, v, tstate, gen, shared_gen):
+        k = num_keep(v.numel(), self.density)
+        idx = torch.randint(v.numel(), (k,), generator=shared_gen, device=v.device)  # (k,)
+        return torch.unique(idx, sorted=True)
+
+
+class BayesPrior(Compressor):
+    """Sampling from the global |v| distribution with a prior for exploration (see bayes.py).
+
+    State per tensor: ``tau`` (exploitation threshold), ``log2_hi`` (histogram top),
+    ``rate`` (thinning rate), ``explore`` (exploration table), ``tau_scale`` (a correction
+    of tau between syncs, from the counts actually sent).
+    """
+
+    name = "bayes_prior"
+    uses_stats = True
+    _GAIN, _STEP_LIMIT, _SCALE_LIMIT = 0.5, 1.25, 64.0
+
+    def local_max(self, v: torch.Tensor) -> float:
+        """Largest |v| of this rank's tensor (all-reduced with MAX before the histogram)."""
+        if not v.numel():
+            return 0.0
+        lo, hi = torch.aminmax(v)  # no |v| temporary
+        return max(-float(lo), float(hi))
+
+    def local_histogram(self, v: torch.Tensor, log2_hi: float, gen) -> torch.Tensor:
+        """(bins,) float32 counts of this rank's |v| below the global top 2^log2_hi."""
+        if not math.isfinite(log2_hi):
+            return torch.zeros(self.config.bins, dtype=torch.float32, device=v.device)
+        return bayes.local_histogram(v, log2_hi, self.config.bins, self.config.stats_samples, gen)
+
+    def update(self, tstate: dict, counts: torch.Tensor, log2_hi: float) -> None:
+        """Set the tensor's threshold and tables from the global (all ranks) histogram."""
+        prior = self.config.prior
+        total = float(counts.double().sum())
+        exploit = (1.0 - prior.strength) * self.density * total
+        power = self.config.exploit_power
+        tau = bayes.solve_threshold(counts, log2_hi, exploit, power) if exploit > 0 else math.inf
+        tstate.update(tau=tau, log2_hi=log2_hi, tau_scale=1.0,
+                      rate=bayes.thinning_rate(counts, log2_hi, tau, power),
+                      explore=bayes.exploration_table(counts.cpu(), prior.strength * self.density,
+                                                      prior.form, prior.pseudo_count))
+
+    def _select(self, v, tstate, gen, shared_gen):
+        if "tau" not in tstate:
+            raise RuntimeError("bayes_prior: select() before the first statistics sync")
+        explore = tstate["explore"] if self.config.prior.strength > 0.0 else None
+        return bayes.sample_indices(v, tstate["tau"] * tstate["tau_scale"], tstate["rate"], explore,
+                                    tstate["log2_hi"], gen, self.config.exploit_power)
+
+    def after_select(self, tstate: dict, num_sent: int, numel: int) -> None:
+        """Nudge tau towards the target count: too many sent -> raise tau, too few -> lower it."""
+        expected = self.density * numel
+        if self.density >= 1.0 or expected <= 0.0 or not math.isfinite(tstate.get("tau", math.inf)):
+            return
+        ratio = max(num_sent, 0.5) / expected
+        factor = min(max(ratio ** self._GAIN, 1.0 / self._STEP_LIMIT), self._STEP_LIMIT)
+        limit = self._SCALE_LIMIT
+        tstate["tau_scale"] = min(max(tstate["tau_scale"] * factor, 1.0 / limit), limit)
+
+
+COMPRESSORS: dict[str, type[Compressor]] = {cls.name: cls for cls in (TopK, RandomK, BayesPrior)}
+
+
+def build_compressor(config: GradientCompressionConfig) -> Compressor:
+    """The compressor registered for ``config.method`` (``none`` has none: reduce densely)."""
+    if config.method not in COMPRESSORS:
+        raise ValueError(f"gradient_compression.method={config.method!r} has no compressor; "
+                         f"allowed {sorted(COMPRESSORS)}")
+    return COMPRESSORS[config.method](config)

@@ -1,0 +1,395 @@
+"""CompressedOptimizer: a torch optimizer wrapper that reduces gradients compressed.
+
+``step()`` first replaces each parameter's local gradient by the mean over the
+data-parallel group, computed from a compressed exchange, then steps the wrapped
+optimizer. Per step, for the compressed parameters (numel >= ``min_numel``), viewed
+as one flat fp32 bucket:
+
+    x = local gradient                (with a hierarchy: node mean of this rank's slice)
+    u = m u + x; v = e + u            (DGC momentum correction, m = momentum_correction)
+    v = e + x                         (plain error feedback; v = x without it)
+    S = compressor.select(v)          (per tensor; bayes_prior syncs |v| statistics first)
+    mean over ranks of v[S]           (sparse all-gather, or a values all-reduce for random-k)
+    e = v - sent; u[S] = 0            (what was not sent waits for the next step)
+
+Small tensors, the first ``warmup_steps`` steps and ``method: none`` use a dense
+all-reduce. Every rank rebuilds the mean from the same gathered data in the same
+order, so replicas stay bit-identical. The residuals, momentum, thresholds and the
+step counter (which seeds all random draws) live in ``self.state`` and round-trip
+through ``state_dict()``. ``param_groups`` is the wrapped optimizer's list, so LR
+schedulers and DeepSpeed's ``get_lr`` see the real learning rates.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ds_xc.compression.compressors import build_compressor
+from ds_xc.compression.config import GradientCompressionConfig, parse_compression
+from ds_xc.compression.layout import plan_layout
+from ds_xc.compression.transport import (DTYPES, NodeGroups, WireCounter, all_gather_slices, allreduce_bytes,
+                                         build_node_groups, dense_allreduce_mean_, reduce_scatter_sum,
+                                         sparse_allgather_mean, values_allreduce_mean)
+from ds_xc.parallel.groups import group_rank, group_size, is_distributed
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CompressedOptimizer"]
+
+_FORMAT = 1
+_MASK64 = (1 << 64) - 1
+_BUFFERS = ("residual", "momentum")
+_RESYNC = 1.5  # bayes_prior: a global density off by this factor triggers a statistics sync
+
+
+def _mix(*values: int) -> int:
+    """A 63-bit seed from a tuple of ints (splitmix64 rounds), the same on every platform."""
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        z = (h ^ (v & _MASK64)) + 0x9E3779B97F4A7C15 & _MASK64
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB & _MASK64
+        h = z ^ (z >> 31)
+    return h >> 1
+
+
+def _generator(seed: int, device: torch.device) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+class CompressedOptimizer(torch.optim.Optimizer):
+    """Wraps ``optimizer`` (replicated over ``group``): compressed gradient mean, then its step.
+
+    Args:
+        optimizer: any torch optimizer; its parameters must be identical on every rank.
+        config: the ``gradient_compression`` section (dict or GradientCompressionConfig).
+        group: the data-parallel process group (None: the default group).
+        params: the tensors whose gradients are reduced (default: the optimizer's). Inside
+            DeepSpeed these are the engine module's parameters, which the bf16 wrapper's
+            fp32 master copies take their gradients from.
+        node_groups: explicit node groups for ``hierarchy`` (default: built from
+            ``hierarchy.ranks_per_node``, a collective call).
+        rank_state_in_state_dict: include the per-rank state (residuals, thresholds) in
+            ``state_dict()``. DeepSpeed saves the optimizer state of rank 0 only, so its
+            integration turns this off and saves it per rank (compression/checkpoint.py).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config=None, group=None, *, params=None,
+                 node_groups: Optional[NodeGroups] = None, rank_state_in_state_dict: bool = True):
+        self.__dict__["_ready"] = False
+        cfg: GradientCompressionConfig = parse_compression(config if config is not None else {})
+        params = params if params is not None else [p for g in optimizer.param_groups for p in g["params"]]
+        seen, unique = set(), []
+        for p in params:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                unique.append(p)
+        if not unique:
+            raise ValueError("CompressedOptimizer: no parameters with requires_grad=True to reduce")
+        super().__init__([{"params": unique}], {})
+        self._params: list[torch.Tensor] = self.param_groups[0]["params"]
+        self.inner, self.param_groups = optimizer, optimizer.param_groups
+        self.defaults = getattr(optimizer, "defaults", {})  # DeepSpeed's bf16 wrapper has none
+        self.config, self.group = cfg, group
+        self.world_size = group_size(group)
+        self.rank_state_in_state_dict = rank_state_in_state_dict
+        self._seed_rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.nodes = node_groups
+        if self.nodes is None and cfg.hierarchy.ranks_per_node > 1 and cfg.enabled:
+            self.nodes = build_node_groups(cfg.hierarchy.ranks_per_node, group)
+        self.comm_group = self.nodes.inter if self.nodes is not None else group
+        self.compressor = build_compressor(cfg) if cfg.enabled else None
+        local = (self.nodes.local_rank, self.nodes.local_size) if self.nodes is not None else (0, 1)
+        self.layout = plan_layout(self._params, cfg.min_numel, cfg.enabled, *local,
+                                  per_tensor=cfg.granularity == "tensor")
+        self._value_dtype = DTYPES[cfg.value_dtype]
+        self._buffers = self._make_buffers()
+        self.counter = WireCounter()
+        self._step = 0
+        self._resync = False  # set when the global density strayed: sync statistics next step
+        self._tally = dict(compressed_steps=0, sent=0, offered=0, global_sent=0, global_offered=0, dense_bytes=0)
+        self._last: dict = {}
+        numel_bytes = sum(p.numel() * p.element_size() for p in self._params)
+        self._dense_step_bytes = allreduce_bytes(numel_bytes, self.world_size)
+        self.__dict__["_ready"] = True
+        log.info("CompressedOptimizer: method=%s density=%g, %d of %d tensors compressed (%d elements), "
+                 "%d ranks%s", cfg.method, cfg.density, len(self.layout.sparse), len(self._params),
+                 self.layout.numel, self.world_size,
+                 f", {self.nodes.num_nodes} nodes x {self.nodes.local_size}" if self.nodes is not None else "")
+
+    # ------------------------------------------------------------------ plumbing
+    def __getattr__(self, name):
+        """Attributes the wrapper lacks come from the wrapped optimizer (DeepSpeed reads a few)."""
+        inner = self.__dict__.get("inner")
+        if inner is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+    def __repr__(self) -> str:
+        return (f"CompressedOptimizer(method={self.config.method}, density={self.config.density}, "
+                f"inner={type(self.inner).__name__})")
+
+    def add_param_group(self, param_group: dict) -> None:
+        if not self.__dict__.get("_ready"):  # torch.optim.Optimizer.__init__ registering our tensors
+            return super().add_param_group(param_group)
+        raise RuntimeError("CompressedOptimizer: add parameter groups before wrapping (the compressed "
+                           "bucket is laid out once)")
+
+    def _make_buffers(self) -> dict:
+        """Flat fp32 residual (and momentum) over the padded bucket; per-parameter views go in state."""
+        cfg, lay = self.config, self.layout
+        names = []
+        if self.compressor is not None and cfg.error_feedback:
+            names.append("residual")
+            if cfg.momentum_correction > 0.0:
+                names.append("momentum")
+        buffers = {}
+        device = self._params[0].device
+        for name in names:
+            buf = torch.zeros(lay.padded, dtype=torch.float32, device=device)
+            for i, start in zip(lay.sparse, lay.starts):
+                p = self._params[i]
+                self.state[p][name] = buf[start: start + p.numel()].view_as(p)
+            buffers[name] = buf
+        return buffers
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Reduce the gradients (compressed mean over the group), then step the wrapped optimizer."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.reduce_gradients()
+        self.inner.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+        for p in self._params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Replace every parameter's gradient by its (compressed) mean over the group, in place."""
+        grads = []
+        for p in self._params:
+            if p.grad is None:  # every rank must take part in every collective
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        before = self.counter.snapshot()
+        compress = self.compressor is not None and self._step >= self.config.warmup_steps
+        if not compress:
+            dense_allreduce_mean_(grads, self.group, self.counter)
+            self._last = {"compressed": False}
+        else:
+            dense_allreduce_mean_([grads[i] for i in self.layout.dense], self.group, self.counter)
+            if self.layout.numel:
+                self._reduce_bucket(grads)
+        self._tally["dense_bytes"] += self._dense_step_bytes
+        self._last.update(step=self._step, bytes_sent=self.counter.bytes_sent - before["bytes_sent"],
+                          bytes_received=self.counter.bytes_received - before["bytes_received"])
+        log.debug("compressed reduction step %d: %s", self._step, self._last)
+        self._step += 1
+
+    def _reduce_bucket(self, grads: list[torch.Tensor]) -> None:
+        lay, cfg = self.layout, self.config
+        flat = torch.zeros(lay.padded, dtype=torch.float32, device=grads[0].device)  # (n_pad,)
+        for i, start in zip(lay.sparse, lay.starts):
+            flat[start: start + grads[i].numel()].copy_(grads[i].reshape(-1))
+        if self.nodes is not None:  # dense inside the node: node mean of this rank's slice (s,)
+            x = reduce_scatter_sum(flat, self.nodes, self.counter).div_(self.nodes.local_size)
+        else:
+            x = flat
+        v = self._accumulate(x)  # (s,)
+        if self.compressor.uses_stats and self._stats_due():
+            self._sync_stats(v)
+        idx = self._select(v)  # (m,) sorted positions in the region
+        vals = v[idx]  # (m,)
+        comm_size = group_size(self.comm_group)
+        if self.compressor.shared_indices:
+            reduced = torch.zeros_like(x)
+            reduced[idx] = values_allreduce_mean(vals, self.comm_group, self._value_dtype, self.counter)
+            global_sent = idx.numel() * comm_size
+        else:
+            reduced, counts = sparse_allgather_mean(idx, vals, x.numel(), self.comm_group, self._value_dtype,
+                                                    self.counter)
+            global_sent = int(counts.sum())
+        self._feedback(v, idx, vals)
+        expected = self.config.density * x.numel() * comm_size
+        if self.compressor.uses_stats and not 1 / _RESYNC <= global_sent / max(expected, 1.0) <= _RESYNC:
+            self._resync = True  # every rank of the exchange saw the same counts: same decision
+        if self.nodes is not None:
+            reduced = all_gather_slices(reduced, self.nodes, self.counter)  # (n_pad,)
+        for i, start in zip(lay.sparse, lay.starts):
+            grads[i].copy_(reduced[start: start + grads[i].numel()].view_as(grads[i]))
+        offered = lay.region_numel if self.nodes is not None else lay.numel
+        t = self._tally
+        t["compressed_steps"] += 1
+        t["sent"] += idx.numel()
+        t["offered"] += offered
+        t["global_sent"] += global_sent
+        t["global_offered"] += offered * comm_size
+        self._last = {"compressed": True, "sent": idx.numel(), "density": idx.numel() / max(offered, 1),
+                      "global_density": global_sent / max(offered * comm_size, 1)}
+
+    def _accumulate(self, x: torch.Tensor) -> torch.Tensor:
+        """v = e + x (or e + (u = m u + x)), in the residual buffer; v = x without error feedback."""
+        if "residual" not in self._buffers:
+            return x
+        lo, hi = self.layout.region
+        e = self._buffers["residual"][lo:hi]
+        if "momentum" in self._buffers:
+            u = self._buffers["momentum"][lo:hi]
+            u.mul_(self.config.momentum_correction).add_(x)
+            return e.add_(u)
+        return e.add_(x)
+
+    def _feedback(self, v: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> None:
+        """e = v - sent (exact: what the rounding to value_dtype lost stays); u = 0 where sent."""
+        if "residual" not in self._buffers:
+            return
+        sent = vals.to(self._value_dtype).to(vals.dtype)
+        v.index_copy_(0, idx, vals - sent)  # v is the residual buffer's region
+        if "momentum" in self._buffers:
+            lo, hi = self.layout.region
+            self._buffers["momentum"][lo:hi].index_fill_(0, idx, 0.0)
+
+    def _select(self, v: torch.Tensor) -> torch.Tensor:
+        comp, seed = self.compressor, self.config.seed
+        parts = []
+        for seg in self.layout.segments:
+            sv = v[seg.start: seg.end]
+            gen = _generator(_mix(seed, self._step, seg.index, self._seed_rank), v.device) if comp.uses_stats else None
+            shared = _generator(_mix(seed, self._step, seg.index, -1), v.device) if comp.shared_indices else None
+            tstate = self.state[self._params[seg.index]]
+            idx = comp.select(sv, tstate, gen, shared)
+            comp.after_select(tstate, idx.numel(), seg.numel)
+            parts.append(idx + seg.start)
+        if not parts:
+            return torch.empty(0, dtype=torch.int64, device=v.device)
+        return torch.cat(parts)
+
+    def _stats_due(self) -> bool:
+        """At compressed steps 0, 1, 2, 4, 8, ... (the residuals build up then), then every interval,
+        and on the step after the global density left [1/1.5, 1.5] x the target."""
+        c, interval = self._step - self.config.warmup_steps, self.config.stats_sync_interval
+        if c % interval == 0 or (c < interval and c & (c - 1) == 0) or self._resync:
+            return True
+        return any("tau" not in self.state[self._params[s.index]] for s in self.layout.segments)
+
+    def _sync_stats(self, v: torch.Tensor) -> None:
+        """All-reduce the per-tensor max |v|, then the log-histograms; set each tensor's threshold."""
+        comp, segs, comm = self.compressor, self.layout.segments, self.comm_group
+        if not segs and not is_distributed(comm):
+            return
+        world = group_size(comm)
+        maxes = torch.tensor([comp.local_max(v[s.start: s.end]) for s in segs] or [0.0], device=v.device)
+        hist_bytes = maxes.numel() * self.config.bins * 4
+        if is_distributed(comm):
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=comm)
+        tops = [math.ceil(math.log2(m)) if m > 0 else -math.inf for m in maxes.tolist()]
+        gen = _generator(_mix(self.config.seed, self._step, -2, self._seed_rank), v.device)
+        hists = torch.stack([comp.local_histogram(v[s.start: s.end], top, gen) for s, top in zip(segs, tops)]
+                            or [torch.zeros(self.config.bins, device=v.device)])  # (S, B)
+        if is_distributed(comm):
+            dist.all_reduce(hists, op=dist.ReduceOp.SUM, group=comm)
+            nbytes = allreduce_bytes(maxes.numel() * 4, world) + allreduce_bytes(hist_bytes, world)
+            self.counter.add(nbytes, nbytes)
+        for s, h, top in zip(segs, hists, tops):
+            comp.update(self.state[self._params[s.index]], h, top)
+        self._resync = False
+
+    # ------------------------------------------------------------------ reporting
+    def stats(self) -> dict:
+        """Cumulative traffic and density of this rank (bytes as the ring algorithms move them).
+
+        ``density``: elements this rank sent / elements it compressed; ``global_density``: the
+        same over all ranks of the exchange; ``dense_bytes``: what a dense all-reduce of
+        every gradient would have sent; ``last``: the latest step alone.
+        """
+        t = self._tally
+        out = dict(self.counter.snapshot(), steps=self._step, compressed_steps=t["compressed_steps"],
+                   method=self.config.method, dense_bytes=t["dense_bytes"],
+                   density=t["sent"] / t["offered"] if t["offered"] else 1.0,
+                   global_density=t["global_sent"] / t["global_offered"] if t["global_offered"] else 1.0,
+                   last=dict(self._last))
+        out["compression_ratio"] = out["dense_bytes"] / max(out["bytes_sent"], 1)
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def compression_state_dict(self, rank_state: bool = True) -> dict:
+        """The wrapper's own state; ``rank_state`` adds this rank's residuals and thresholds."""
+        out = {"format": _FORMAT, "method": self.config.method, "world_size": self.world_size,
+               "ranks_per_node": self.nodes.local_size if self.nodes is not None else 1,
+               "rank": group_rank(self.group), "step": self._step, "resync": self._resync,
+               "numels": [p.numel() for p in self._params],
+               "counters": dict(self.counter.snapshot(), **self._tally)}
+        if rank_state:
+            out["state"] = {i: dict(self.state[p]) for i, p in enumerate(self._params) if self.state[p]}
+        return out
+
+    def load_compression_state_dict(self, state: dict) -> None:
+        """Restore :meth:`compression_state_dict`; another world size restarts the residuals (warning)."""
+        self._check_compatible(state)
+        self._step = int(state["step"])
+        self._resync = bool(state.get("resync", False))
+        counters = dict(state.get("counters", {}))
+        for key in self._tally:
+            self._tally[key] = int(counters.pop(key, 0))
+        for key, value in counters.items():
+            setattr(self.counter, key, int(value))
+        ranks_per_node = self.nodes.local_size if self.nodes is not None else 1
+        if (state["world_size"], state["ranks_per_node"]) != (self.world_size, ranks_per_node):
+            log.warning("compression state saved on %d ranks (%d per node), resumed on %d (%d per node): "
+                        "error-feedback residuals and thresholds restart from zero", state["world_size"],
+                        state["ranks_per_node"], self.world_size, ranks_per_node)
+            self._restart_rank_state()
+            return
+        for i, saved in state.get("state", {}).items():
+            tstate = self.state[self._params[int(i)]]
+            for key, value in saved.items():
+                if key in _BUFFERS:
+                    if key in tstate:
+                        tstate[key].copy_(value)
+                else:
+                    tstate[key] = value.clone() if torch.is_tensor(value) else value
+
+    def _check_compatible(self, state: dict) -> None:
+        if state.get("format") != _FORMAT:
+            raise ValueError(f"compression state format {state.get('format')!r}: expected {_FORMAT}")
+        numels = [p.numel() for p in self._params]
+        if list(state["numels"]) != numels:
+            raise ValueError(f"compression state holds {len(state['numels'])} tensors of sizes "
+                             f"{state['numels'][:8]}...; this optimizer reduces {len(numels)} of sizes {numels[:8]}...")
+
+    def _restart_rank_state(self) -> None:
+        for buf in self._buffers.values():
+            buf.zero_()
+        for p in self._params:
+            for key in [k for k in self.state[p] if k not in _BUFFERS]:
+                del self.state[p][key]
+
+    def state_dict(self) -> dict:
+        """{"inner": the wrapped optimizer's state_dict, "compression": the wrapper's state}."""
+        return {"inner": self.inner.state_dict(),
+                "compression": self.compression_state_dict(rank_state=self.rank_state_in_state_dict)}
+
+    def load_state_dict(self, state_dict: dict, **kwargs) -> None:
+        """Load both parts; ``kwargs`` go to the wrapped optimizer (DeepSpeed passes some)."""
+        if not ("inner" in state_dict and "compression" in state_dict):
+            log.warning("optimizer state without a 'compression' part (saved uncompressed?): loading it into "
+                        "the wrapped optimizer; error-feedback residuals start from zero")
+            self.inner.load_state_dict(state_dict, **kwargs)
+            return
+        self._check_compatible(state_dict["compression"])  # before anything is loaded
+        self.inner.load_state_dict(state_dict["inner"], **kwargs)
+        self.load_compression_state_dict(state_dict["compression"])
