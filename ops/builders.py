@@ -38,7 +38,6 @@ def _popcnt_flags() -> list:
 class HammingBuilder(OpBuilder):
     """C++ CPU kernel: OpenMP over queries, 64/32-bit popcount, bucket top-k selection."""
 
-    BUILD_VAR = "DS_BUILD_DS_XC_HAMMING"
     NAME = "ds_xc_hamming_cpu"
 
     def __init__(self):
@@ -63,7 +62,6 @@ class HammingBuilder(OpBuilder):
 class HammingCudaBuilder(CUDAOpBuilder):
     """CUDA kernel: one thread block per query, shared-memory histogram + radix select."""
 
-    BUILD_VAR = "DS_BUILD_DS_XC_HAMMING_CUDA"
     NAME = "ds_xc_hamming_cuda"
 
     def __init__(self):

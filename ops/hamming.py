@@ -20,6 +20,7 @@ our own lists, CPU tensors; its ties are re-resolved, see ops/hamming_faiss.py),
 from __future__ import annotations
 
 import logging
+import operator
 
 import torch
 
@@ -92,15 +93,25 @@ def _check_int64(name: str, t, dim: int) -> None:
         raise ValueError(f"{name} must be a {dim}-D torch.int64 tensor, got {desc}")
 
 
-def _check_ivf(q_codes, list_codes, list_ids, list_offsets, probes, k, check_values):
-    """Validate shapes, dtypes and devices (always) and values (when check_values)."""
+def _check_k(k) -> int:
+    """k as a Python int (numpy and 0-d integer tensors accepted); ValueError otherwise."""
+    try:
+        kk = operator.index(k)
+    except TypeError:
+        kk = None
+    if kk is None or isinstance(k, bool) or kk < 0:
+        raise ValueError(f"k = {k!r} must be an int >= 0")
+    return kk
+
+
+def _check_ivf(q_codes, list_codes, list_ids, list_offsets, probes, k, check_values) -> int:
+    """Validate shapes, dtypes and devices (always) and values (when check_values); returns k."""
     nbytes = _check_codes("q_codes", q_codes)
     _check_codes("list_codes", list_codes, nbytes)
     _check_int64("list_ids", list_ids, 1)
     _check_int64("list_offsets", list_offsets, 1)
     _check_int64("probes", probes, 2)
-    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-        raise ValueError(f"k = {k!r} must be an int >= 0")
+    k = _check_k(k)
     rows = list_codes.shape[0]
     if list_ids.shape[0] != rows:
         raise ValueError(f"list_ids has {list_ids.shape[0]} entries but list_codes has {rows} rows")
@@ -112,7 +123,7 @@ def _check_ivf(q_codes, list_codes, list_ids, list_offsets, probes, k, check_val
     if len(devs) > 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devs))}")
     if not check_values:
-        return
+        return k
     nlist = list_offsets.shape[0] - 1
     off = list_offsets
     if int(off[0]) != 0 or int(off[-1]) != rows or bool((off[1:] < off[:-1]).any()):
@@ -125,6 +136,7 @@ def _check_ivf(q_codes, list_codes, list_ids, list_offsets, probes, k, check_val
                              f"min {lo}, max {hi}")
     if rows and int(list_ids.min()) < 0:
         raise ValueError(f"list_ids must be >= 0, got min {int(list_ids.min())}")
+    return k
 
 
 def _unique_probes(probes: torch.Tensor) -> torch.Tensor:
@@ -205,7 +217,7 @@ def hamming_topk_ivf(q_codes, list_codes, list_ids, list_offsets, probes, k: int
     docstring). check=True also validates values (offsets, probe range, ids >= 0), which
     costs a pass over the ids and, on CUDA, host syncs; shapes and dtypes are always checked.
     """
-    _check_ivf(q_codes, list_codes, list_ids, list_offsets, probes, k, check)
+    k = _check_ivf(q_codes, list_codes, list_ids, list_offsets, probes, k, check)
     name = _resolve(backend, q_codes.device, k)
     n = q_codes.shape[0]
     if n == 0 or k == 0 or probes.shape[1] == 0:
@@ -228,7 +240,11 @@ def hamming_topk_flat(q_codes, db_codes, k: int, backend: str = "auto"):
     """
     nbytes = _check_codes("q_codes", q_codes)
     _check_codes("db_codes", db_codes, nbytes)
-    if backend == "faiss" and db_codes.device.type == "cpu" and isinstance(k, int) and k > 0:
+    k = _check_k(k)
+    if q_codes.device != db_codes.device:
+        raise ValueError(f"q_codes and db_codes must be on one device, got {q_codes.device} "
+                         f"and {db_codes.device}")
+    if backend == "faiss" and db_codes.device.type == "cpu" and k > 0:
         from ops.hamming_faiss import faiss_topk_flat
         return faiss_topk_flat(q_codes, db_codes, k)
     dev, rows, n = db_codes.device, db_codes.shape[0], q_codes.shape[0]

@@ -296,6 +296,15 @@ def test_errors_name_argument_value_and_allowed(over, match):
         H.hamming_topk_ivf(**_bad(**over), backend="torch")
 
 
+def test_k_may_be_a_numpy_or_tensor_integer(cpu_op):
+    args, k = scenario("random", 64)
+    want = H.hamming_topk_ivf(*args, k, backend="torch")
+    for kk in (np.int64(k), torch.tensor(k)):
+        assert_same(H.hamming_topk_ivf(*args, kk, backend="cpu"), want)
+    with pytest.raises(ValueError, match="k = True must be an int"):
+        H.hamming_topk_flat(args[0], args[1], True)
+
+
 def test_backend_errors():
     kw = _bad()
     with pytest.raises(ValueError, match=r"backend = 'gpu' is not one of"):

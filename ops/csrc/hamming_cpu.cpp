@@ -5,16 +5,14 @@
 // is the k candidates of smallest (distance, id), ascending, padded with
 // (code_bits + 1, -1).
 //
-// Per query (OpenMP over queries, one workspace per thread):
-//   pass 1: distances of all candidates (xor + 64-bit popcount, or 32-bit words when
-//           code_bits % 64 != 0) into a uint16 buffer, and their histogram;
-//   the threshold t = smallest distance whose cumulative count reaches k, and
-//           need = how many of the candidates at distance t are taken;
-//   pass 2: over the stored distances: every candidate below t is taken; of those at t,
-//           the `need` smallest ids (nth_element); the <= k results are sorted.
-// Distances are integers <= 1024, so the histogram is exact and small.
-// Lighter than <torch/extension.h> (which roughly doubles the build time): the tensor
-// type caster for pybind11, and the ATen pieces used here.
+// Per query (OpenMP over queries, one workspace per thread), one pass over the probed
+// codes (xor + 64-bit popcount, or 32-bit words when code_bits % 64 != 0) with a bounded
+// selection: a buffer of at most `cap` = max(2k, k + 64) (distance, id) pairs receives
+// every candidate at distance <= bound; when it is full, nth_element keeps its k
+// smallest pairs and bound becomes the largest distance kept (a candidate at that
+// distance can still enter with a smaller id). Candidates above the bound cost one
+// compare, so after the first few lists the scan is a popcount per row. At the end the
+// k smallest pairs are sorted. Memory per thread: O(k), whatever the candidate count.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -70,73 +68,49 @@ struct Args {
   int64_t* out_i;  // (N, k)
 };
 
+using Pair = std::pair<int32_t, int64_t>;  // (distance, id), ordered lexicographically
+
 struct Workspace {
-  std::vector<uint16_t> dist;                     // candidates' distances, scan order
-  std::vector<int64_t> hist;                      // (code_bits + 1,) counts per distance
-  std::vector<int64_t> ties;                      // ids of candidates at the threshold
-  std::vector<std::pair<int32_t, int64_t>> sel;   // (distance, id) results, <= k
+  std::vector<Pair> buf;  // candidates at distance <= bound; size < cap
 };
+
+// Keeps the k smallest pairs of buf (unordered) and returns the largest distance kept.
+inline int32_t shrink(std::vector<Pair>& buf, int k) {
+  std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.end());
+  buf.resize(k);
+  return buf[k - 1].first;  // nth_element puts the k-th smallest at k - 1, smaller before
+}
 
 template <typename Word, int NW>
 void scan_query(const Args& a, int64_t i, Workspace& ws) {
   const Hamming<Word, NW> ham(a.q + i * a.nbytes, a.nbytes);
   const int bits = a.nbytes * 8;
+  const size_t cap = std::max<size_t>(2 * static_cast<size_t>(a.k), a.k + 64);
   const int64_t* pr = a.probes + i * a.nprobe;
+  std::vector<Pair>& buf = ws.buf;
+  buf.clear();
+  int32_t bound = bits;  // no candidate is excluded until k are known
 
-  int64_t total = 0;
-  for (int64_t j = 0; j < a.nprobe; ++j)
-    if (pr[j] >= 0) total += a.offsets[pr[j] + 1] - a.offsets[pr[j]];
-  ws.dist.resize(total);
-  std::fill(ws.hist.begin(), ws.hist.end(), 0);
-
-  // pass 1: distances and their histogram
-  int64_t pos = 0;
   for (int64_t j = 0; j < a.nprobe; ++j) {
     if (pr[j] < 0) continue;
+    const int64_t end = a.offsets[pr[j] + 1];
     const uint8_t* row = a.codes + a.offsets[pr[j]] * a.nbytes;
-    for (int64_t r = a.offsets[pr[j]]; r < a.offsets[pr[j] + 1]; ++r, row += a.nbytes) {
-      const int d = ham(row);
-      ws.dist[pos++] = static_cast<uint16_t>(d);
-      ++ws.hist[d];
+    for (int64_t r = a.offsets[pr[j]]; r < end; ++r, row += a.nbytes) {
+      const int32_t d = ham(row);
+      if (d > bound) continue;
+      buf.emplace_back(d, a.ids[r]);
+      if (buf.size() == cap) bound = shrink(buf, a.k);
     }
   }
-
-  // threshold: take every candidate with d < t, and `need` of those with d == t
-  int t = bits + 1;
-  int64_t need = 0;
-  if (total > a.k) {
-    int64_t cum = 0;
-    for (int d = 0; d <= bits; ++d) {
-      if (cum + ws.hist[d] >= a.k) { t = d; need = a.k - cum; break; }
-      cum += ws.hist[d];
-    }
-  }
-
-  // pass 2: collect, in the same scan order as pass 1
-  ws.sel.clear();
-  ws.ties.clear();
-  pos = 0;
-  for (int64_t j = 0; j < a.nprobe; ++j) {
-    if (pr[j] < 0) continue;
-    for (int64_t r = a.offsets[pr[j]]; r < a.offsets[pr[j] + 1]; ++r) {
-      const int d = ws.dist[pos++];
-      if (d < t) ws.sel.emplace_back(d, a.ids[r]);
-      else if (d == t) ws.ties.push_back(a.ids[r]);
-    }
-  }
-  if (need > 0) {  // the `need` smallest ids at the threshold distance
-    if (static_cast<int64_t>(ws.ties.size()) > need)
-      std::nth_element(ws.ties.begin(), ws.ties.begin() + need, ws.ties.end());
-    for (int64_t e = 0; e < need; ++e) ws.sel.emplace_back(t, ws.ties[e]);
-  }
-  std::sort(ws.sel.begin(), ws.sel.end());
+  if (buf.size() > static_cast<size_t>(a.k)) shrink(buf, a.k);
+  std::sort(buf.begin(), buf.end());
 
   int32_t* od = a.out_d + i * a.k;
   int64_t* oi = a.out_i + i * a.k;
-  const int64_t m = static_cast<int64_t>(ws.sel.size());
+  const int64_t m = static_cast<int64_t>(buf.size());
   for (int64_t e = 0; e < a.k; ++e) {
-    od[e] = e < m ? ws.sel[e].first : bits + 1;
-    oi[e] = e < m ? ws.sel[e].second : -1;
+    od[e] = e < m ? buf[e].first : bits + 1;
+    oi[e] = e < m ? buf[e].second : -1;
   }
 }
 
@@ -145,7 +119,7 @@ void scan_all(const Args& a, int num_threads) {
 #pragma omp parallel num_threads(num_threads)
   {
     Workspace ws;
-    ws.hist.resize(a.nbytes * 8 + 1);
+    ws.buf.reserve(std::max<size_t>(2 * static_cast<size_t>(a.k), a.k + 64));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < a.n; ++i) scan_query<Word, NW>(a, i, ws);
   }
