@@ -114,6 +114,10 @@ class AnnSampler(_Section):
                         "groups, each with its own active set.")
     encode_interval: int = Field(1, ge=0, description="Re-encode the rows the optimizer changed every N "
                                  "steps (0 = only at rebuilds).")
+    encode_rows: Literal["retrieved", "active"] = Field(
+        "retrieved", description="Which changed rows are re-encoded between rebuilds: retrieved = the "
+        "positives and retrieved classes (large updates); active = also the uniform fill, whose updates "
+        "are the small softmax probabilities of easy negatives. Every row is re-encoded at each rebuild.")
     rebuild_interval: int = Field(1000, ge=0, description="Re-run k-means and re-encode every row every N "
                                   "steps (0 = only at start and after loading).")
     kmeans_iterations: int = Field(10, ge=1, le=100, description="Spherical k-means iterations per rebuild.")

@@ -109,10 +109,11 @@ def test_ranked_unique_and_assemble():
     cand = torch.tensor([[5, 7, -1], [7, 9, 2], [1, 5, 3]])
     assert ranked_unique(cand, 10).tolist() == [5, 7, 1, 9, 2, 3]
     gen = torch.Generator().manual_seed(0)
-    index, st = assemble(torch.tensor([9, 30]), cand, budget=5, num_local=40, gen=gen)
+    index, st, kept = assemble(torch.tensor([9, 30]), cand, budget=5, num_local=40, gen=gen)
     assert index.tolist() == sorted([9, 30, 5, 7, 1])
     assert st == {"active": 5, "positives": 2, "retrieved": 5, "kept": 3, "cut": 2, "fill": 0}
-    index, st = assemble(torch.tensor([0]), cand, budget=20, num_local=40, gen=gen)
+    assert kept.tolist() == [5, 7, 1]
+    index, st, _ = assemble(torch.tensor([0]), cand, budget=20, num_local=40, gen=gen)
     assert index.numel() == 20 and index.unique().numel() == 20 and st["fill"] == 13
     assert set([0, 5, 7, 1, 9, 2, 3]) <= set(index.tolist())
 
@@ -145,7 +146,7 @@ def test_positives_always_active_with_groups():
 
 
 def test_upkeep_re_encodes_active_rows_and_rebuilds_on_schedule():
-    head = _ann_head(rebuild_interval=3)
+    head = _ann_head(rebuild_interval=3, encode_rows="active")
     opt = torch.optim.SGD([head.weight], lr=5.0)
     x = torch.randn(12, 16, dtype=torch.float64)
     y = torch.randint(0, 300, (12,))

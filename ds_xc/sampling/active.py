@@ -55,8 +55,9 @@ def _uniform_fill(taken: torch.Tensor, count: int, num_local: int, gen: torch.Ge
 
 
 def assemble(positives: torch.Tensor, candidates: Optional[torch.Tensor], budget: int, num_local: int,
-             gen: torch.Generator) -> tuple[torch.Tensor, dict]:
-    """(sorted active ids (K,), counts) from positives (P,) and ranked candidates (n, r) or None."""
+             gen: torch.Generator) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    """(sorted active ids (K,), counts, kept candidates) from positives (P,) and ranked
+    candidates (n, r) or None."""
     device = positives.device
     taken = torch.zeros(num_local, dtype=torch.bool, device=device)
     taken[positives] = True
@@ -70,7 +71,7 @@ def assemble(positives: torch.Tensor, candidates: Optional[torch.Tensor], budget
     index = torch.cat([positives, kept, fill]).sort().values
     stats = {"active": index.numel(), "positives": int(positives.numel()), "retrieved": int(ranked.numel()),
              "kept": int(kept.numel()), "cut": int(ranked.numel() - kept.numel()), "fill": int(fill.numel())}
-    return index, stats
+    return index, stats, kept
 
 
 def remap_targets(index: torch.Tensor, local: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:

@@ -97,7 +97,7 @@ class KnnSampler(Sampler):
                 c.rebuild_interval and self.steps - self.built_at >= c.rebuild_interval):
             self.rebuild(weight)
         positives = torch.unique(local[mine])
-        index, self.last_stats = assemble(positives, self.graph[positives], k, self.num_local, self.generator)
+        index, self.last_stats, _ = assemble(positives, self.graph[positives], k, self.num_local, self.generator)
         self.last_stats["staleness"] = self.staleness
         if torch.is_grad_enabled():
             self.steps += 1

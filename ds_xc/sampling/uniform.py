@@ -22,5 +22,5 @@ class UniformSampler(Sampler):
             return ActiveSet(index=torch.arange(self.num_local, device=labels.device),
                              targets=torch.where(mine, local, torch.full_like(local, -1)))
         positives = torch.unique(local[mine])  # sorted; a host sync (dynamic size)
-        index, self.last_stats = assemble(positives, None, k, self.num_local, self.generator)
+        index, self.last_stats, _ = assemble(positives, None, k, self.num_local, self.generator)
         return ActiveSet(index=index, targets=remap_targets(index, local, mine))

@@ -12,7 +12,11 @@ the scan kernels read; Hamming distance between codes estimates the angle betwee
 """
 from __future__ import annotations
 
+import sys
+
 import torch
+
+from ops.hamming import pack_signs
 
 __all__ = ["random_projection", "itq_projection", "encode", "pack"]
 
@@ -50,12 +54,20 @@ def itq_projection(x: torch.Tensor, bits: int, iterations: int, seed: int) -> to
     return (pca @ r).float().contiguous()
 
 
+_GATHER_BITS = 0x0102040810204080  # times 8 bytes of 0/1: byte j's bit lands at bit 56 + j
+
+
 def pack(v: torch.Tensor) -> torch.Tensor:
-    """The layout of ``ops.hamming.pack_signs`` (bit j = v[:, j] > 0, LSB first) in one
-    multiply-add over each byte's 8 bits instead of 8 shift passes: (n, b) -> (n, b // 8)."""
+    """The layout of ``ops.hamming.pack_signs`` (bit j = v[:, j] > 0, LSB first): (n, b) -> (n, b // 8).
+
+    The 8 booleans of each output byte are read as one int64 (a bool is one byte of 0 or
+    1) and gathered into its top byte by one multiplication (wrapping), no per-bit passes.
+    """
+    if sys.byteorder != "little":  # the trick reads bytes in little-endian order
+        return pack_signs(v)
     n, bits = v.shape
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=v.device)
-    return ((v > 0).view(n, bits // 8, 8).to(torch.uint8) * weights).sum(dim=2, dtype=torch.uint8)
+    words = (v > 0).view(torch.uint8).view(torch.int64).view(n, bits // 8)  # (n, b/8), 8 flags each
+    return ((words * _GATHER_BITS) >> 56).to(torch.uint8)
 
 
 def encode(x: torch.Tensor, projection: torch.Tensor, chunk: int = 1 << 15) -> torch.Tensor:

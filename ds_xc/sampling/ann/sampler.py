@@ -12,9 +12,11 @@ from K/N to K*G/N classes while the FLOPs stay N*K*d (the cost: G gathers of K r
 
 Index upkeep (counted in training forwards, i.e. calls with gradients enabled): the
 index is built at the first forward, after a load whose weights it does not describe,
-and every ``rebuild_interval`` steps; in between, the rows that the optimizer may have
-changed (last step's active set with lazy updates, every row with dense ones) are
-re-encoded every ``encode_interval`` steps, right before they are queried.
+and every ``rebuild_interval`` steps; in between, the rows that the optimizer changed
+are re-encoded every ``encode_interval`` steps, right before they are queried: with lazy
+updates the positives and retrieved classes of the last step (``encode_rows: retrieved``,
+the rows with large updates) or its whole active set (``active``); with dense updates
+every row.
 """
 from __future__ import annotations
 
@@ -152,18 +154,22 @@ class AnnSampler(Sampler):
         self.last_retrieved = retrieved
         bounds = group_bounds(labels.numel(), self.config.groups)
         targets = torch.full_like(local, -1)
-        indices, stats = [], []
+        indices, stats, core = [], [], []
         for a, b in zip(bounds[:-1], bounds[1:]):
             positives = torch.unique(local[a:b][mine[a:b]])
-            index, st = assemble(positives, retrieved[a:b], k, self.num_local, self.generator)
+            index, st, kept = assemble(positives, retrieved[a:b], k, self.num_local, self.generator)
             targets[a:b] = remap_targets(index, local[a:b], mine[a:b])
             indices.append(index)
             stats.append(st)
+            core += [positives, kept]
         self.last_stats = {key: sum(s[key] for s in stats) for key in stats[0]}
         self.last_stats["staleness"] = self.staleness
         if training:
             self.steps += 1
-            changed = indices[0] if len(indices) == 1 else torch.unique(torch.cat(indices))
+            if self.config.encode_rows == "active":
+                changed = indices[0] if len(indices) == 1 else torch.unique(torch.cat(indices))
+            else:
+                changed = torch.unique(torch.cat(core))
             self.dirty = changed if self.dirty is None else torch.unique(torch.cat([self.dirty, changed]))
             if self._pending is not None:
                 self._changed_since.append(changed)

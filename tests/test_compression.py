@@ -1,0 +1,280 @@
+"""Compressed gradients in one process: config errors, Bayes-prior maths against exact
+formulas, sampling probabilities, the wire format, the error-feedback identity (bitwise),
+density 1.0, dense small tensors and state_dict round trips."""
+import copy
+import logging
+import math
+
+import pytest
+import torch
+
+from ds_xc.compression import CompressedOptimizer, parse_compression
+from ds_xc.compression import bayes
+from ds_xc.compression.compressors import COMPRESSORS, build_compressor
+from ds_xc.compression.transport import WireCounter, sparse_allgather_mean
+from ds_xc.config import ConfigError
+
+METHODS = ["topk", "randomk", "bayes_prior"]
+
+
+# ---------------------------------------------------------------------------- config
+def _err(section) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_compression(section)
+    return str(info.value)
+
+
+def test_config_defaults_and_registry():
+    c = parse_compression({})
+    assert c.method == "bayes_prior" and c.density == 0.01 and c.error_feedback and c.enabled
+    assert c.prior.form == "uniform" and c.hierarchy.ranks_per_node == 0
+    assert not parse_compression({"method": "none"}).enabled
+    assert set(COMPRESSORS) == set(METHODS)
+
+
+@pytest.mark.parametrize("section,key,words", [
+    ({"density": 0}, "gradient_compression.density", "greater than 0"),
+    ({"density": 1.5}, "gradient_compression.density", "less than or equal to 1"),
+    ({"method": "dgc"}, "gradient_compression.method", "'bayes_prior'"),
+    ({"prior": {"strength": 1.0}}, "gradient_compression.prior.strength", "less than 1"),
+    ({"prior": {"form": "beta"}}, "gradient_compression.prior.form", "'dirichlet'"),
+    ({"bins": 8}, "gradient_compression.bins", "greater than or equal to 16"),
+    ({"hierarchy": {"ranks_per_node": -1}}, "gradient_compression.hierarchy.ranks_per_node", ">= 0"),
+    ({"value_dtype": "float16"}, "gradient_compression.value_dtype", "'bfloat16'"),
+    ({"densty": 0.1}, "gradient_compression.densty", "unknown key"),
+    ({"momentum_correction": 0.9, "error_feedback": False}, "gradient_compression", "needs error_feedback"),
+])
+def test_config_errors_name_the_key(section, key, words):
+    msg = _err(section)
+    assert key in msg
+    assert words in msg or words.replace(">= ", "greater than or equal to ") in msg
+
+
+def test_config_rejects_non_dict():
+    assert "expected a JSON object" in _err([1])
+
+
+# ---------------------------------------------------------------------------- bayes maths
+def _exact_expected(a: torch.Tensor, tau: float) -> float:
+    return float(torch.clamp(a.double() / tau, max=1.0).sum())
+
+
+@pytest.mark.parametrize("dist", ["gauss", "heavy"])
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.1])
+def test_threshold_from_histogram_hits_the_target(dist, density):
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(200_000, generator=g).abs()
+    if dist == "heavy":  # error-feedback-like: a few elements much larger
+        a = a * torch.exp(3 * torch.rand(a.shape, generator=g))
+    top = bayes.log2_ceil_max(a)
+    counts = bayes.local_histogram(a, top, 128, 0, None)
+    assert float(counts.sum()) == a.numel()
+    target = density * a.numel()
+    tau = bayes.solve_threshold(counts, top, target)
+    assert _exact_expected(a, tau) == pytest.approx(target, rel=0.03)
+
+
+def test_threshold_edge_cases():
+    counts = torch.zeros(64)
+    assert bayes.solve_threshold(counts, 0.0, 10.0) == math.inf
+    counts[10] = 100.0
+    assert bayes.solve_threshold(counts, 0.0, 100.0) == 0.0  # keep everything
+    tau = bayes.solve_threshold(counts, 0.0, 1.0)  # all 100 elements in one bin, expect 1 kept
+    edges = bayes.bin_edges(0.0, 64)
+    mean = float((edges[11] - edges[10]) / math.log(edges[11] / edges[10]))
+    assert tau == pytest.approx(100 * mean, rel=1e-6)
+
+
+def test_bernoulli_positions_are_sorted_unique_and_at_rate():
+    g = torch.Generator().manual_seed(0)
+    n, rate = 1_000_003, 0.01
+    pos = bayes.bernoulli_positions(n, rate, g)
+    assert pos.dtype == torch.int64 and int(pos.min()) >= 0 and int(pos.max()) < n
+    assert bool((pos[1:] > pos[:-1]).all())
+    assert abs(pos.numel() - rate * n) < 5 * math.sqrt(rate * n)
+    assert bayes.bernoulli_positions(10, 1.0, g).tolist() == list(range(10))
+    assert bayes.bernoulli_positions(10, 0.0, g).numel() == 0
+
+
+@pytest.mark.parametrize("rate", [1.0, 0.125, 1 / 64])
+def test_sampling_keeps_each_element_with_its_probability(rate):
+    """Thinning must not change p_i = min(1, |v_i| / tau), whatever the rate r."""
+    v = torch.cat([torch.linspace(-0.05, 0.05, 50), torch.tensor([0.5, -1.0, 3.0, 0.0])])
+    tau, trials = 1.0, 4000
+    hits = torch.zeros(v.numel())
+    g = torch.Generator().manual_seed(1)
+    for _ in range(trials):
+        hits[bayes.sample_indices(v, tau, rate, None, 0.0, g)] += 1
+    p = torch.clamp(v.abs() / tau, max=1.0)
+    sd = torch.sqrt(p * (1 - p) / trials) + 1e-9
+    assert bool(((hits / trials - p).abs() <= 5 * sd + 1e-3).all())
+    assert hits[-1] == 0 and hits[-2] == trials  # zero never, |v| >= tau always
+
+
+def test_dirichlet_exploration_favours_sparse_bins():
+    counts = torch.tensor([1000.0, 10.0, 0.0, 990.0])
+    flat = bayes.exploration_table(counts, 0.01, "uniform", 1.0)
+    assert flat.tolist() == [pytest.approx(0.01)]
+    q = bayes.exploration_table(counts, 0.01, "dirichlet", 50.0)
+    assert q[1] > q[0] and q[1] > q[3]
+    expected = float((q.double() * counts).sum())  # exploration budget ~ rate * N (uncapped)
+    assert expected == pytest.approx(0.01 * float(counts.sum()), rel=0.1)
+    assert torch.allclose(bayes.exploration_table(counts, 0.01, "dirichlet", 0.0), flat)
+
+
+# ---------------------------------------------------------------------------- transport
+@pytest.mark.parametrize("value_dtype", [torch.float32, torch.bfloat16])
+def test_wire_format_round_trip_across_blocks(value_dtype):
+    n = 3 * 65536 + 17
+    idx = torch.tensor([0, 1, 32767, 32768, 65535, 65536, 2 * 65536 + 5, n - 1])
+    vals = torch.randn(idx.numel())
+    dense, counts = sparse_allgather_mean(idx, vals, n, None, value_dtype, WireCounter())
+    expected = torch.zeros(n)
+    expected[idx] = vals.to(value_dtype).float()
+    assert torch.equal(dense, expected) and counts.tolist() == [idx.numel()]
+
+
+# ---------------------------------------------------------------------------- the wrapper
+def _model(dtype=torch.float32):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Tanh(), torch.nn.Linear(96, 8)).to(dtype)
+
+
+def _backward(model, step, dtype=torch.float32):
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(16, 64, generator=g).to(dtype)
+    model(x).float().pow(2).mean().backward()
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("value_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_error_feedback_identity_is_exact(method, value_dtype, momentum):
+    """sent + new residual == old residual + (momentum-corrected) gradient, bit for bit."""
+    model = _model()
+    opt = CompressedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                              {"method": method, "density": 0.05, "min_numel": 1000, "value_dtype": value_dtype,
+                               "momentum_correction": momentum, "stats_sync_interval": 3})
+    big = [p for p in model.parameters() if p.numel() >= 1000]
+    for step in range(6):
+        opt.zero_grad()
+        _backward(model, step)
+        old = [opt.state[p]["residual"].clone() for p in big]
+        u_old = [opt.state[p]["momentum"].clone() if momentum else None for p in big]
+        grads = [p.grad.clone() for p in big]
+        opt.reduce_gradients()  # one rank: the reduced gradient is exactly what was sent
+        for p, e_old, g, u in zip(big, old, grads, u_old):
+            v = e_old + (u * momentum + g if momentum else g)
+            sent, e_new = p.grad, opt.state[p]["residual"]
+            assert torch.equal(sent + e_new, v)
+            if value_dtype == "float32":
+                assert torch.equal(e_new[sent != 0], torch.zeros_like(e_new[sent != 0]))
+            if momentum:
+                assert bool((opt.state[p]["momentum"][sent != 0] == 0).all())
+        assert 0 < opt.stats()["last"]["sent"] < 0.2 * sum(p.numel() for p in big)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_density_one_sends_everything(method):
+    model = _model()
+    opt = CompressedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                              {"method": method, "density": 1.0, "min_numel": 1})
+    _backward(model, 0)
+    grads = [p.grad.clone() for p in model.parameters()]
+    opt.reduce_gradients()
+    for p, g in zip(model.parameters(), grads):
+        assert torch.equal(p.grad, g) and not bool(opt.state[p]["residual"].any())
+    assert opt.stats()["density"] == 1.0
+
+
+def test_small_tensors_go_dense_and_warmup_is_dense():
+    model = _model()
+    opt = CompressedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                              {"method": "topk", "density": 0.01, "min_numel": 700, "warmup_steps": 1})
+    assert [len(opt.layout.sparse), len(opt.layout.dense)] == [2, 2]
+    for step in range(2):
+        opt.zero_grad()
+        _backward(model, step)
+        grads = [p.grad.clone() for p in model.parameters()]
+        opt.reduce_gradients()
+        for p, g in zip(model.parameters(), grads):
+            if p.numel() < 700 or step == 0:
+                assert torch.equal(p.grad, g)
+            else:
+                assert int((p.grad != 0).sum()) == round(0.01 * p.numel())
+    assert opt.stats()["compressed_steps"] == 1
+
+
+def test_wrapper_exposes_the_inner_param_groups_and_attributes():
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    opt = CompressedOptimizer(inner, {"method": "topk"})
+    assert opt.param_groups is inner.param_groups and opt.defaults is inner.defaults
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    _backward(model, 0)
+    opt.step()
+    sched.step()
+    assert inner.param_groups[0]["lr"] == 0.25
+    with pytest.raises(RuntimeError, match="before wrapping"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+
+
+def _train(opt, model, steps, start=0):
+    for step in range(start, start + steps):
+        opt.zero_grad()
+        _backward(model, step)
+        opt.step()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_state_dict_round_trip_continues_bitwise(method):
+    cfg = {"method": method, "density": 0.05, "min_numel": 1000, "momentum_correction": 0.5,
+           "stats_sync_interval": 4}
+    model_a = _model()
+    opt_a = CompressedOptimizer(torch.optim.SGD(model_a.parameters(), lr=0.1), cfg)
+    _train(opt_a, model_a, 3)
+    saved = copy.deepcopy(opt_a.state_dict())  # like torch's, the state holds live tensors
+    snapshot = {k: v.clone() for k, v in model_a.state_dict().items()}
+    _train(opt_a, model_a, 3, start=3)
+
+    model_b = _model()
+    model_b.load_state_dict(snapshot)
+    opt_b = CompressedOptimizer(torch.optim.SGD(model_b.parameters(), lr=0.1), cfg)
+    opt_b.load_state_dict(saved)
+    assert opt_b.stats()["steps"] == 3
+    _train(opt_b, model_b, 3, start=3)
+    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.equal(pa, pb)
+    assert any(bool(opt_a.state[p]["residual"].any()) for p in model_a.parameters() if opt_a.state[p])
+
+
+def test_load_from_another_world_size_restarts_residuals(caplog):
+    model = _model()
+    cfg = {"method": "bayes_prior", "density": 0.05, "min_numel": 1000}
+    opt = CompressedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), cfg)
+    _train(opt, model, 2)
+    saved = opt.state_dict()
+    saved["compression"]["world_size"] = 4
+    fresh = CompressedOptimizer(torch.optim.SGD(_model().parameters(), lr=0.1), cfg)
+    with caplog.at_level(logging.WARNING, logger="ds_xc.compression.optimizer"):
+        fresh.load_state_dict(saved)
+    assert "restart from zero" in caplog.text
+    assert fresh.stats()["steps"] == 2
+    assert all(not bool(s["residual"].any()) and "tau" not in s for s in fresh.state.values() if s)
+    wrong = CompressedOptimizer(torch.optim.SGD(torch.nn.Linear(3, 3).parameters(), lr=0.1), cfg)
+    with pytest.raises(ValueError, match="tensors of sizes"):
+        wrong.load_state_dict(saved)
+
+
+def test_bf16_gradients():
+    model = _model(torch.bfloat16)
+    opt = CompressedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                              {"method": "bayes_prior", "density": 0.1, "min_numel": 1000})
+    big = [p for p in model.parameters() if p.numel() >= 1000]
+    _backward(model, 0, torch.bfloat16)
+    old = [p.grad.float() for p in big]
+    opt.reduce_gradients()
+    for p, g in zip(big, old):
+        assert p.grad.dtype == torch.bfloat16 and opt.state[p]["residual"].dtype == torch.float32
+        assert torch.equal(p.grad.float() + opt.state[p]["residual"], g)  # bf16 values: sums are exact
+    assert build_compressor(parse_compression({"method": "topk"})).name == "topk"
