@@ -222,18 +222,19 @@ CONVERGENCE = {"none": {}, "topk": {}, "randomk": {}, "bayes_prior": {},
 
 
 def test_convergence_matches_dense_training(pools):
-    """Density 0.01 with error feedback, SGD lr 0.1 momentum 0.9, 120 steps on 2 ranks: every
-    method trains; top-k and sharpened bayes_prior end within 40% of dense training's loss
-    (random-k and bayes_prior with exploit_power 1 do not, on this problem: see docs)."""
+    """Density 0.01 with error feedback, SGD lr 0.1 momentum 0.9, 240 steps on 2 ranks: every
+    method trains; top-k and sharpened bayes_prior end within 25% of dense training's loss
+    (measured: 1.08x and 1.11x; at 120 steps they still lag by 1.4x, and random-k and
+    bayes_prior with exploit_power 1 lag by about 1.45x even at 240: see docs)."""
     finals = {}
     for name, extra in CONVERGENCE.items():
         cfg = dict({"method": name, "density": 0.01, "min_numel": 4096}, **extra)
-        res = pools(2).run(_train_classifier, cfg, 120, 0.1)
+        res = pools(2).run(_train_classifier, cfg, 240, 0.1)
         finals[name] = sum(res[0]["losses"][-20:]) / 20
         first = sum(res[0]["losses"][:5]) / 5
         assert finals[name] < 0.7 * first, (name, first, finals[name])
     for name in ["topk", "bayes_sharp"]:
-        assert finals[name] < 1.4 * finals["none"], finals
+        assert finals[name] < 1.25 * finals["none"], finals
 
 
 # ---------------------------------------------------------------------------- checkpoints
