@@ -2,10 +2,12 @@
 
 Public API: :class:`ClassParallelHead`, :func:`parse_config`, :class:`ConfigError`,
 :func:`initialize` (DeepSpeed engine + head + head optimizer from one config),
-:func:`build_head_optimizer`.
+:func:`build_head_optimizer`, :class:`CompressedOptimizer` (compressed data-parallel
+gradient reduction, see docs/compression.md).
 """
 from ds_xc.config import ConfigError, parse_config
 from ds_xc.head import ClassParallelHead, build_head_optimizer
+from ds_xc.compression import CompressedOptimizer
 
 __version__ = "0.1.0"
 
@@ -17,4 +19,4 @@ def initialize(*args, **kwargs):
 
 
 __all__ = ["ClassParallelHead", "ConfigError", "parse_config", "initialize", "build_head_optimizer",
-           "__version__"]
+           "CompressedOptimizer", "__version__"]

@@ -29,6 +29,7 @@ __all__ = [
 
 HEAD_SECTION = "extreme_classification"
 TRAIN_SECTION = "xc_train"
+COMPRESSION_SECTION = "gradient_compression"  # validated by ds_xc.compression.config
 
 
 class ConfigError(ValueError):
@@ -218,6 +219,8 @@ class XCConfig(BaseModel):
     model_config = ConfigDict(extra="ignore")
     extreme_classification: Optional[HeadConfig] = None
     xc_train: TrainConfig = Field(default_factory=TrainConfig)
+    # ds_xc.compression.config.GradientCompressionConfig (typed loosely: that module imports this one)
+    gradient_compression: Optional[Any] = None
 
 
 _SECTIONS = (HEAD_SECTION, TRAIN_SECTION)
@@ -340,4 +343,7 @@ def parse_config(config: Union[str, os.PathLike, dict]) -> XCConfig:
         sections[HEAD_SECTION] = validate_section(HeadConfig, raw[HEAD_SECTION], HEAD_SECTION)
     if TRAIN_SECTION in raw:
         sections[TRAIN_SECTION] = validate_section(TrainConfig, raw[TRAIN_SECTION], TRAIN_SECTION)
+    if COMPRESSION_SECTION in raw:
+        from ds_xc.compression.config import parse_compression  # late: it builds on this module
+        sections[COMPRESSION_SECTION] = parse_compression(raw[COMPRESSION_SECTION])
     return XCConfig(**sections)

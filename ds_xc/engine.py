@@ -48,6 +48,12 @@ def check_supported(raw: dict) -> None:
     if stage not in (0, 1, 2):
         raise cfg.ConfigError(f"zero_optimization.stage={stage!r}: ds_xc supports ZeRO stages 0, 1 and 2 "
                               "for the backbone")
+    method = (raw.get(cfg.COMPRESSION_SECTION) or {}).get("method", "bayes_prior")
+    if cfg.COMPRESSION_SECTION in raw and method != "none" and stage != 0:
+        raise cfg.ConfigError(f"zero_optimization.stage={stage!r} with {cfg.COMPRESSION_SECTION}.method="
+                              f"{method!r}: ZeRO stages 1-2 reduce and partition gradients inside DeepSpeed's "
+                              "optimizer, before a compressed reduction could see them; use "
+                              f"zero_optimization.stage=0 or {cfg.COMPRESSION_SECTION}.method='none'")
     if cfg.HEAD_SECTION not in raw:
         raise cfg.ConfigError(f"the DeepSpeed config has no '{cfg.HEAD_SECTION}' section; add one with at "
                               "least num_classes and embedding_dim")
@@ -99,6 +105,7 @@ class XCEngine:
     config: cfg.XCConfig
     lr_scheduler: Any = None
     base_lr: Optional[float] = None
+    compression: Any = None  # the CompressedOptimizer reducing the backbone, when configured
 
     def __call__(self, inputs, labels, batch_sizes=None) -> torch.Tensor:
         return self.head(self.engine(inputs), labels, batch_sizes)
@@ -140,6 +147,9 @@ class XCEngine:
         """
         tag = tag or f"global_step{self.global_steps}"
         save_head_state(os.path.join(save_dir, str(tag)), self.head, self.head_optimizer)
+        if self.compression is not None:  # per-rank residuals: DeepSpeed saves rank 0's optimizer only
+            from ds_xc.compression import save_compression_state
+            save_compression_state(os.path.join(save_dir, str(tag)), self.compression)
         if dist.is_initialized():
             dist.barrier()
         state = dict(client_state or {})
@@ -159,6 +169,9 @@ class XCEngine:
         if path is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint for tag {tag!r} in {load_dir!r}")
         load_head_state(os.path.join(load_dir, str(tag)), self.head, self.head_optimizer)
+        if self.compression is not None:  # absent or other world size: residuals restart (warned)
+            from ds_xc.compression import load_compression_state
+            load_compression_state(os.path.join(load_dir, str(tag)), self.compression)
         return client_state or {}
 
 
@@ -186,7 +199,11 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
     head = ClassParallelHead.from_config(xc_config.extreme_classification, group=head_group,
                                          device=engine.device)
     head_optimizer = build_head_optimizer(head, xc_config.extreme_classification.optimizer)
+    compression = None
+    if xc_config.gradient_compression is not None and xc_config.gradient_compression.enabled:
+        from ds_xc.compression import attach_to_engine  # takes over the backbone's reduction
+        compression = attach_to_engine(engine, xc_config.gradient_compression)
     log.info("ds_xc: engine ready (ZeRO stage %d, bf16=%s), head shard %s", engine.zero_optimization_stage(),
              engine.bfloat16_enabled(), head.extra_repr())
     return XCEngine(engine=engine, head=head, head_optimizer=head_optimizer, config=xc_config,
-                    lr_scheduler=scheduler, base_lr=base_lr)
+                    lr_scheduler=scheduler, base_lr=base_lr, compression=compression)

@@ -133,6 +133,11 @@ def main(argv=None) -> dict:
         if args.save_dir:
             xc.save_checkpoint(args.save_dir, tag=f"step{step}", client_state={"step": step})
 
+    def compression_stats() -> dict:
+        if xc.compression is None:
+            return {}
+        return {k: v for k, v in xc.compression.stats().items() if isinstance(v, (int, float))}
+
     bar = None
     if rank == 0:
         from tqdm import tqdm
@@ -157,6 +162,7 @@ def main(argv=None) -> dict:
                     k: f"{v:.3f}" for k, v in ev.items() if k.startswith("top")})
             if monitor is not None:
                 stats = [(f"Sampler/{k}", float(v), done) for k, v in xc.head.sampler_stats().items()]
+                stats += [(f"Compression/{k}", float(v), done) for k, v in compression_stats().items()]
                 monitor.write_events([("Train/loss", loss.item(), done), ("Train/samples_per_s", rate, done)]
                                      + stats)
         if bar is not None:
@@ -181,13 +187,19 @@ def main(argv=None) -> dict:
     summary = {"steps": tcfg.max_steps - start, "samples_per_s": samples / max(elapsed, 1e-9),
                "top1": ev["top1"], "top5": ev["top5"], "eval_samples": ev["samples"],
                "final_loss": final_loss, "seconds": elapsed, "world_size": world,
-               "evals": history, "sampler_stats": xc.head.sampler_stats()}
+               "evals": history, "sampler_stats": xc.head.sampler_stats(),
+               "compression_stats": compression_stats()}
     if args.summary_json and rank == 0:
         with open(args.summary_json, "w") as fh:
             json.dump(summary, fh, indent=1)
     say(f"done: {summary['steps']} steps in {elapsed:.1f} s, {summary['samples_per_s']:.0f} samples/s, "
         f"final loss {summary['final_loss']:.4f}, held-out top-1 {ev['top1']:.4f} top-5 {ev['top5']:.4f} "
         f"({ev['samples']} samples)")
+    comp = summary["compression_stats"]
+    if comp:
+        say(f"gradient compression ({xcfg.gradient_compression.method}): density {comp.get('density', 0):.4f}, "
+            f"{comp.get('bytes_sent', 0) / 2**20:.1f} MiB sent by rank 0 "
+            f"({comp.get('bytes_sent', 0) / max(comp.get('dense_bytes', 0), 1):.4f} of a dense all-reduce)")
     dist.barrier()
     dist.destroy_process_group()
     return summary

@@ -67,3 +67,35 @@ def test_two_ranks_checkpoint_and_resume(tmp_path):
     out = _launch(["--deepspeed_config", cfg, "--max_steps", "6", "--save_dir", save, "--resume"], nprocs=2)
     assert "resumed from" in out and "at step 4" in out
     assert _summary(out)[0] == 2
+
+
+@pytest.mark.slow
+def test_two_ranks_gradient_compression_section(tmp_path):
+    """A `gradient_compression` section is attached by ds_xc.initialize: traffic is counted, the
+    per-rank residuals are checkpointed next to the head shards and restored on resume."""
+    cfg = json.loads(open(_config(tmp_path)).read())
+    cfg["gradient_compression"] = {"method": "topk", "density": 0.02, "min_numel": 1000}
+    path = tmp_path / "cfg_comp.json"
+    path.write_text(json.dumps(cfg))
+    save, summary = str(tmp_path / "ckpt"), str(tmp_path / "summary.json")
+    out = _launch(["--deepspeed_config", str(path), "--max_steps", "4", "--save_dir", save,
+                   "--summary_json", summary], nprocs=2)
+    assert "gradient compression (topk)" in out
+    stats = json.loads(open(summary).read())["compression_stats"]
+    assert stats["steps"] == 4 and 0 < stats["bytes_sent"] < 0.5 * stats["dense_bytes"]
+    files = os.listdir(os.path.join(save, "step4", "ds_xc_compression"))
+    assert sorted(files) == ["rank_00000_of_00002.pt", "rank_00001_of_00002.pt"], files
+    out = _launch(["--deepspeed_config", str(path), "--max_steps", "6", "--save_dir", save, "--resume",
+                   "--summary_json", summary], nprocs=2)
+    assert "at step 4" in out and "start from zero" not in out
+    assert json.loads(open(summary).read())["compression_stats"]["steps"] == 6
+
+
+def test_compression_with_zero_stage_1_is_refused_before_the_engine_is_built():
+    from ds_xc import ConfigError
+    from ds_xc.engine import check_supported
+    raw = {"zero_optimization": {"stage": 1}, "gradient_compression": {"method": "topk"},
+           "extreme_classification": {"num_classes": 10, "embedding_dim": 4}}
+    with pytest.raises(ConfigError, match=r"zero_optimization.stage=1 with gradient_compression.method='topk'"):
+        check_supported(raw)
+    check_supported(dict(raw, gradient_compression={"method": "none"}))

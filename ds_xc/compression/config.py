@@ -11,12 +11,10 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from ds_xc.config import ConfigError, _Section, validate_section
+from ds_xc.config import COMPRESSION_SECTION, ConfigError, _Section, validate_section
 
 __all__ = ["COMPRESSION_SECTION", "PriorConfig", "HierarchyConfig", "GradientCompressionConfig",
            "parse_compression", "ConfigError"]
-
-COMPRESSION_SECTION = "gradient_compression"
 
 
 class PriorConfig(_Section):
