@@ -17,86 +17,30 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import multiprocessing as mp
 import os
 import platform
-import queue
 import resource
 import shlex
-import socket
 import statistics
 import sys
 import time
-import traceback
 
-MIB = 1024 * 1024
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/harness.py
+from harness import (MIB, cpu_model, git_rev, hwm_bytes, init_rank, close_rank, mib as _mib,  # noqa: E402
+                     peak_reset_works, reset_peak, rss_bytes, spawn_ranks, usable_cores)
+
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "head_chunking.md")
 LOSSES = {"arcface": {"type": "arcface", "scale": 64.0, "margin": 0.5}, "softmax": {"type": "softmax"}}
 OPTIMIZER = {"type": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4, "update": "dense"}
 
 
-# ---------------------------------------------------------------------------- memory probes
-def _status_kib() -> dict:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                key, value = line.split(":")
-                out[key] = int(value.split()[0])  # kB
-    return out
-
-
-def rss_bytes() -> int:
-    return _status_kib()["VmRSS"] * 1024
-
-
-def hwm_bytes() -> int:
-    return _status_kib()["VmHWM"] * 1024
-
-
-def reset_peak() -> None:
-    """Reset VmHWM to the current VmRSS (Linux: write 5 to /proc/self/clear_refs)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def peak_reset_works() -> bool:
-    """True when clear_refs really resets VmHWM here (checked once, in the parent)."""
-    try:
-        buf = bytearray(64 * MIB)  # touched: RSS and HWM grow by 64 MiB
-        del buf
-        before = hwm_bytes()
-        reset_peak()
-        return hwm_bytes() < before - 32 * MIB
-    except OSError:
-        return False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ---------------------------------------------------------------------------- one rank
-def _rank_main(rank: int, world: int, port: int, spec: dict, results) -> None:
-    try:
-        results.put((rank, True, _run_rank(rank, world, port, spec)))
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
-
-
 def _run_rank(rank: int, world: int, port: int, spec: dict) -> dict:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from datetime import timedelta
-
-    import torch
+    torch = init_rank(rank, world, port, spec)
     import torch.distributed as dist
 
     import ds_xc
 
-    torch.set_num_threads(spec["threads"])
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=spec["timeout"]))
     try:
         local_batch = spec["batch"] // world
         dim, classes = spec["dim"], spec["num_classes"]
@@ -158,11 +102,7 @@ def _run_rank(rank: int, world: int, port: int, spec: dict) -> dict:
                 "persistent": persistent, "peak": peak, "phase_peak": phase_peak, "losses": losses,
                 "baseline": baseline}
     finally:
-        try:
-            dist.barrier()
-            dist.destroy_process_group()
-        except Exception:
-            pass
+        close_rank()
 
 
 def _prewarm(ds_xc, torch, spec: dict, local_batch: int) -> None:
@@ -183,53 +123,7 @@ def _prewarm(ds_xc, torch, spec: dict, local_batch: int) -> None:
 
 def run_config(spec: dict) -> list[dict]:
     """Spawn ``spec['world']`` fresh ranks in a new gloo group, run, return per-rank results."""
-    ctx = mp.get_context("spawn")
-    world = spec["world"]
-    # children inherit the environment at start(): thread counts are set before torch loads
-    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(spec["threads"])
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, spec, results), daemon=True)
-             for r in range(world)]
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    out, errors = [None] * world, []
-    deadline = time.monotonic() + spec["timeout"]
-    try:
-        for _ in range(world):
-            while True:
-                try:
-                    rank, ok, value = results.get(timeout=5)
-                    break
-                except queue.Empty:
-                    dead = [p for p in procs if p.exitcode not in (None, 0)]
-                    if dead:
-                        raise RuntimeError(f"a rank died (exit codes {[p.exitcode for p in procs]}; "
-                                           f"-9 is usually the OOM killer)") from None
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"configuration {spec} did not finish within {spec['timeout']} s") from None
-            if ok:
-                out[rank] = value
-            else:
-                errors.append(f"rank {rank}:\n{value}")
-        if errors:
-            raise RuntimeError("benchmark rank failed:\n" + "\n".join(errors))
-        for p in procs:
-            p.join(timeout=30)
-        return out
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+    return spawn_ranks(spec, _run_rank)
 
 
 # ---------------------------------------------------------------------------- report
@@ -256,35 +150,9 @@ def summarise(spec: dict, ranks: list[dict], args) -> dict:
     }
 
 
-def _git_rev() -> str:
-    """Commit of the checkout, and whether ds_xc/ differs from it (others edit it concurrently)."""
-    import subprocess
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                             text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "ds_xc"], cwd=root, capture_output=True,
-                               text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    changed = [line[3:] for line in dirty.splitlines() if line.strip()]
-    more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
-    return f"{rev or 'unknown'}" + (f" (uncommitted: {', '.join(changed[:4])}{more})" if changed else "")
-
-
-def _mib(b: float) -> str:
-    return f"{b / MIB:,.0f}"
-
-
 def render(rows: list[dict], args, command: str, started: str, wall_s: float, hwm_ok: bool) -> str:
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
-    except OSError:
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpu = cpu_model()
+    cores = usable_cores()
     base = {(r["world"]): r for r in rows if r["chunk"] == 0}
     lines = [
         "# Exact head: chunked vs unchunked logits",
@@ -298,7 +166,7 @@ def render(rows: list[dict], args, command: str, started: str, wall_s: float, hw
         f"- per configuration: fresh gloo group of spawned processes; threads = {args.threads_1} at 1 rank, "
         f"1 per rank otherwise; {args.warmup} warm-up + {args.steps} timed steps; "
         f"max over ranks of each rank's median",
-        f"- ds_xc at git {_git_rev()}",
+        f"- ds_xc at git {git_rev()}",
         f"- VmHWM reset via /proc/self/clear_refs works here: {'yes' if hwm_ok else 'NO (peak is since process start)'}",
         "",
         "Memory in MiB above the rank's RSS before the head was built. budget = weights + momentum "

@@ -3,7 +3,7 @@
 A head shard is large (10^6 rows x d per rank is usual), so both optimizers work in
 place, in blocks of rows: a dense step allocates at most one block-sized temporary,
 never a second shard-sized tensor (torch's SGD with weight decay allocates a full copy
-of the gradient). The formulas are torch.optim.SGD's and torch.optim.AdamW's.
+of the gradient); a lazy step likewise gathers the active rows block by block. The formulas are torch.optim.SGD's and torch.optim.AdamW's.
 
 Lazy semantics (``lazy=True``; like torch.optim.SparseAdam and TensorFlow's lazy Adam):
 given a row-sparse gradient (the sampled head with ``update: lazy``), a step touches only
@@ -27,7 +27,7 @@ from ds_xc import config as cfg
 
 __all__ = ["HeadSGD", "HeadAdamW", "build_head_optimizer"]
 
-_BLOCK = 1 << 15  # rows per block of a dense step
+_BLOCK = 1 << 15  # rows per block of a dense step and of the gathered rows of a lazy step
 
 
 def _rows(p: torch.Tensor, lazy: bool):
@@ -87,11 +87,13 @@ class HeadSGD(Optimizer):
                         d = self._update(p[s], g[s], None if buf is None else buf[s], lr, mu, wd, nest)
                         p[s].add_(d, alpha=-lr)
                     continue
-                b = None if buf is None else buf.index_select(0, rows)  # (R, d)
-                d = self._update(p.index_select(0, rows), g, b, lr, mu, wd, nest)
-                if b is not None:
-                    buf.index_copy_(0, rows, b)
-                p.index_add_(0, rows, d.to(p.dtype), alpha=-lr)
+                for s in _blocks(rows.numel()):  # gathered row copies: block-sized temporaries
+                    r = rows[s]
+                    b = None if buf is None else buf.index_select(0, r)  # (R_block, d)
+                    d = self._update(p.index_select(0, r), g[s], b, lr, mu, wd, nest)
+                    if b is not None:
+                        buf.index_copy_(0, r, b)
+                    p.index_add_(0, r, d.to(p.dtype), alpha=-lr)
         return loss
 
 
@@ -134,11 +136,13 @@ class HeadAdamW(Optimizer):
                     for s in _blocks(p.shape[0]):
                         self._update(p[s], g[s], m[s], v[s], lr, b1, b2, eps, wd, bc1, bc2)
                     continue
-                pr, mr, vr = p.index_select(0, rows), m.index_select(0, rows), v.index_select(0, rows)
-                self._update(pr, g, mr, vr, lr, b1, b2, eps, wd, bc1, bc2)
-                m.index_copy_(0, rows, mr)
-                v.index_copy_(0, rows, vr)
-                p.index_copy_(0, rows, pr)
+                for s in _blocks(rows.numel()):  # gathered row copies: block-sized temporaries
+                    r = rows[s]
+                    pr, mr, vr = p.index_select(0, r), m.index_select(0, r), v.index_select(0, r)
+                    self._update(pr, g[s], mr, vr, lr, b1, b2, eps, wd, bc1, bc2)
+                    m.index_copy_(0, r, mr)
+                    v.index_copy_(0, r, vr)
+                    p.index_copy_(0, r, pr)
         return loss
 
 
