@@ -1,0 +1,204 @@
+"""Shared helpers of the benchmarks: spawned gloo ranks, memory probes, machine facts.
+
+* Memory: VmRSS / VmHWM of the calling process from /proc/self/status, and a reset of
+  VmHWM to the current RSS through /proc/self/clear_refs (Linux), so that the peak of a
+  phase can be measured inside one process (``reset_peak()`` ... ``hwm_bytes()``).
+* Ranks: :func:`spawn_ranks` starts ``spec['world']`` fresh processes (spawn context) in a
+  new gloo group on 127.0.0.1 (a free port each time), runs ``fn(rank, world, port, spec)``
+  in each with ``spec['threads']`` torch/OMP threads, and returns the per-rank results
+  (or raises with every failing rank's traceback). ``fn`` must be a module-level function
+  of an importable module (the spawned children import it by name; a script's own
+  functions work too, multiprocessing re-imports the script as ``__mp_main__``).
+* Report facts: CPU model, usable cores, the 1/5/15-minute load, git revision (with the
+  uncommitted files of ds_xc/, as other people edit it concurrently).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import subprocess
+import time
+import traceback
+
+MIB = 1024 * 1024
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---------------------------------------------------------------------------- memory probes
+def _status_kib() -> dict:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                key, value = line.split(":")
+                out[key] = int(value.split()[0])  # kB
+    return out
+
+
+def rss_bytes() -> int:
+    return _status_kib()["VmRSS"] * 1024
+
+
+def hwm_bytes() -> int:
+    return _status_kib()["VmHWM"] * 1024
+
+
+def reset_peak() -> None:
+    """Reset VmHWM to the current VmRSS (Linux: write 5 to /proc/self/clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_reset_works() -> bool:
+    """True when clear_refs really resets VmHWM here (checked once, in the parent)."""
+    try:
+        buf = bytearray(64 * MIB)  # touched: RSS and HWM grow by 64 MiB
+        del buf
+        before = hwm_bytes()
+        reset_peak()
+        return hwm_bytes() < before - 32 * MIB
+    except OSError:
+        return False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------- ranks
+def _rank_main(rank: int, world: int, port: int, spec: dict, results, fn) -> None:
+    try:
+        results.put((rank, True, fn(rank, world, port, spec)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+def init_rank(rank: int, world: int, port: int, spec: dict):
+    """In a spawned rank: set the launcher variables and thread count, start gloo; returns torch."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(spec["threads"])
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=spec["timeout"]))
+    return torch
+
+
+def close_rank() -> None:
+    import torch.distributed as dist
+
+    try:
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def spawn_ranks(spec: dict, fn) -> list:
+    """Spawn ``spec['world']`` fresh ranks in a new gloo group, run ``fn``, return per-rank results.
+
+    ``spec`` needs ``world``, ``threads`` (torch/OMP threads per rank, set in the children's
+    environment before torch loads) and ``timeout`` (seconds for the whole configuration).
+    """
+    ctx = mp.get_context("spawn")
+    world = spec["world"]
+    # children inherit the environment at start(): thread counts are set before torch loads
+    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(spec["threads"])
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, spec, results, fn), daemon=True)
+             for r in range(world)]
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    out, errors = [None] * world, []
+    deadline = time.monotonic() + spec["timeout"]
+    try:
+        for _ in range(world):
+            while True:
+                try:
+                    rank, ok, value = results.get(timeout=5)
+                    break
+                except queue.Empty:
+                    dead = [p for p in procs if p.exitcode not in (None, 0)]
+                    if dead:
+                        raise RuntimeError(f"a rank died (exit codes {[p.exitcode for p in procs]}; "
+                                           f"-9 is usually the OOM killer)") from None
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"configuration {spec} did not finish within {spec['timeout']} s") from None
+            if ok:
+                out[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+        if errors:
+            raise RuntimeError("benchmark rank failed:\n" + "\n".join(errors))
+        for p in procs:
+            p.join(timeout=30)
+        return out
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+# ---------------------------------------------------------------------------- report facts
+def git_rev() -> str:
+    """Commit of the checkout, and whether ds_xc/ differs from it (others edit it concurrently)."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "ds_xc"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    changed = [line[3:] for line in dirty.splitlines() if line.strip()]
+    more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
+    return f"{rev or 'unknown'}" + (f" (uncommitted: {', '.join(changed[:4])}{more})" if changed else "")
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "unknown")
+    except OSError:
+        return "unknown"
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def load_average() -> str:
+    """The 1/5/15-minute load average (what ``uptime`` prints), e.g. '2.10 1.95 1.40'."""
+    try:
+        return " ".join(f"{v:.2f}" for v in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
+def mib(b: float) -> str:
+    return f"{b / MIB:,.0f}"
+
+
+def write_report(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` ('-': nowhere), creating the folder."""
+    if path == "-":
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+    print(f"wrote {path}", flush=True)
