@@ -120,7 +120,7 @@ def main(argv=None):
         device = torch.device(dev)
         rows = measure(args.n, args.density, args.reps, args.warm, args.interval, device)
         title = f"{dev}, {threads} thread(s)" if dev == "cpu" else torch.cuda.get_device_name()
-        table = [f"## {title}\n", "| selection | median ms | speed-up vs torch.topk | kept | note |", "|---|---|---|---|---|"]
+        table = [f"\n## {title}\n", "| selection | median ms | speed-up vs torch.topk | kept | note |", "|---|---|---|---|---|"]
         table += [f"| {r['method']} | {r['ms'] * 1e3:.1f} | {r['speedup']:.2f}x | {r['kept']:,} | {r.get('note', '')} |"
                   for r in rows]
         sections.append("\n".join(table))
