@@ -121,6 +121,9 @@ class AnnSampler(_Section):
         "are the small softmax probabilities of easy negatives. Every row is re-encoded at each rebuild.")
     rebuild_interval: int = Field(1000, ge=0, description="Re-run k-means and re-encode every row every N "
                                   "steps (0 = only at start and after loading).")
+    rebuild_warmup: int = Field(16, ge=0, description="Early rebuilds: the first after this many steps, then "
+                                "at doubling gaps (16, 32, 64, ...) until the gap reaches rebuild_interval; an "
+                                "index built from the initial weights goes stale fastest. 0 = fixed interval only.")
     kmeans_iterations: int = Field(10, ge=1, le=100, description="Spherical k-means iterations per rebuild.")
     background_rebuild: bool = Field(
         False, description="Run the periodic rebuild in a background thread on a snapshot of the weights, "
@@ -148,6 +151,9 @@ class KnnSampler(_Section):
     neighbors: int = Field(32, ge=1, le=1024, description="Neighbours per class in the graph (10 to 100 usual).")
     rebuild_interval: int = Field(1000, ge=0, description="Rebuild the graph every N steps (0 = only at "
                                   "start and after loading).")
+    rebuild_warmup: int = Field(16, ge=0, description="Early rebuilds: the first after this many steps, then "
+                                "at doubling gaps (16, 32, 64, ...) until the gap reaches rebuild_interval; an "
+                                "index built from the initial weights goes stale fastest. 0 = fixed interval only.")
     graph: Literal["exact", "ann"] = Field(
         "exact", description="exact: chunked matmul + top-k over the shard (O(L^2 d)); ann: through the "
         "binary-code inverted file of the ann sampler (for large shards).")

@@ -62,3 +62,33 @@ def test_state_round_trip_reproduces_the_stream():
     t = _sampler(0.1, seed=99)
     t.load_state_dict(state)
     assert torch.equal(t.sample(labels, None, None).index, a)
+
+
+def test_rebuild_schedule_doubles_from_warmup_to_interval():
+    from ds_xc.sampling.base import rebuild_due
+
+    def schedule(interval, warmup, steps=3000):
+        built, out = 0, []
+        for step in range(1, steps):
+            if rebuild_due(step, built, interval, warmup):
+                built = step
+                out.append(step)
+        return out
+
+    assert schedule(1000, 16)[:8] == [16, 32, 64, 128, 256, 512, 1024, 2024]
+    assert schedule(1000, 0)[:2] == [1000, 2000]
+    assert schedule(3, 16)[:3] == [3, 6, 9]  # the interval caps the gap from the start
+    assert schedule(0, 16) == []  # interval 0: only at start and after loading
+
+
+def test_knn_graph_is_rebuilt_on_the_early_schedule():
+    s = build_sampler({"type": "knn", "sample_rate": 0.1, "neighbors": 4, "rebuild_warmup": 2,
+                       "rebuild_interval": 100}, 50, 0, 0, rank=0)
+    weight = torch.randn(50, 8)
+    builds = []
+    s.rebuild = lambda w, _orig=s.rebuild: (builds.append(s.steps), _orig(w))
+    labels = torch.tensor([1, 2, 3])
+    with torch.enable_grad():
+        for _ in range(9):
+            s.sample(labels, None, weight)
+    assert builds == [0, 2, 4, 8]

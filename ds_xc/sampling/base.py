@@ -45,6 +45,21 @@ def budget(sample_rate: float, num_local: int) -> int:
     return max(1, min(num_local, math.ceil(sample_rate * num_local * (1.0 - 1e-12))))
 
 
+def rebuild_due(steps: int, built_at: int, interval: int, warmup: int) -> bool:
+    """True when an index (or graph) built at step ``built_at`` is due for a rebuild at ``steps``.
+
+    Weights move fastest early in training, and an index built from the initial weights
+    describes almost nothing a few hundred steps later (its k-means lists are cells of the
+    random init). So with ``warmup`` w > 0 the gap between rebuilds starts at w and doubles
+    (rebuilds at w, 2w, 4w, ...) until it reaches ``interval``; then it stays there.
+    ``interval`` 0: never (only at start and after loading).
+    """
+    if not interval:
+        return False
+    gap = min(interval, max(warmup, built_at)) if warmup else interval
+    return steps - built_at >= gap
+
+
 def local_targets(labels: torch.Tensor, class_start: int, num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(local ids (N,), mask of rows whose class is on this shard (N,))."""
     local = labels - class_start

@@ -4,7 +4,7 @@ Legend: L classes of the shard, d dim, k neighbours per class.
 
 A k-nearest-neighbour graph over the shard's unit class weights, (L, k) local ids by
 decreasing cosine, is built at the first training forward, after loading, and every
-``rebuild_interval`` steps: ``exact`` by chunked matmul + top-k (O(L^2 d): for shards up
+``rebuild_interval`` steps (at doubling gaps from ``rebuild_warmup`` early on): ``exact`` by chunked matmul + top-k (O(L^2 d): for shards up
 to ~10^5 classes on a CPU), ``ann`` through an ANN index (binary codes + inverted file,
 re-ranked exactly) for large shards. Neighbours of the batch's positives are taken in
 rank order (every positive's nearest, then every positive's second nearest, ...).
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from ds_xc.sampling.active import assemble, remap_targets
 from ds_xc.sampling.ann.index import AnnIndex, exact_cosine_rerank
-from ds_xc.sampling.base import ActiveSet, Sampler, budget, local_targets
+from ds_xc.sampling.base import ActiveSet, Sampler, budget, local_targets, rebuild_due
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +93,8 @@ class KnnSampler(Sampler):
             return ActiveSet(index=torch.arange(self.num_local, device=labels.device),
                              targets=torch.where(mine, local, torch.full_like(local, -1)))
         c = self.config
-        if self.graph is None or self.built_at is None or (
-                c.rebuild_interval and self.steps - self.built_at >= c.rebuild_interval):
+        if self.graph is None or self.built_at is None or rebuild_due(
+                self.steps, self.built_at, c.rebuild_interval, c.rebuild_warmup):
             self.rebuild(weight)
         positives = torch.unique(local[mine])
         index, self.last_stats, _ = assemble(positives, self.graph[positives], k, self.num_local, self.generator)

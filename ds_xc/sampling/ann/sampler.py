@@ -12,7 +12,8 @@ from K/N to K*G/N classes while the FLOPs stay N*K*d (the cost: G gathers of K r
 
 Index upkeep (counted in training forwards, i.e. calls with gradients enabled): the
 index is built at the first forward, after a load whose weights it does not describe,
-and every ``rebuild_interval`` steps; in between, the rows that the optimizer changed
+and every ``rebuild_interval`` steps (early in training at doubling gaps from
+``rebuild_warmup`` steps: see base.rebuild_due); in between, the rows that the optimizer changed
 are re-encoded every ``encode_interval`` steps, right before they are queried: with lazy
 updates the positives and retrieved classes of the last step (``encode_rows: retrieved``,
 the rows with large updates) or its whole active set (``active``); with dense updates
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 
 from ds_xc.sampling.active import assemble, remap_targets
 from ds_xc.sampling.ann.index import AnnIndex, exact_cosine_rerank
-from ds_xc.sampling.base import ActiveSet, Sampler, budget, local_targets
+from ds_xc.sampling.base import ActiveSet, Sampler, budget, local_targets, rebuild_due
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ class AnnSampler(Sampler):
         if self.index is None or not self.index.built or self.built_at is None:
             self.rebuild(weight)
             return
-        if c.rebuild_interval and self.steps - self.built_at >= c.rebuild_interval:
+        if rebuild_due(self.steps, self.built_at, c.rebuild_interval, c.rebuild_warmup):
             if not c.background_rebuild:
                 self.rebuild(weight)
                 return
