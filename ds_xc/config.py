@@ -111,6 +111,11 @@ class AnnSampler(_Section):
     top_k: int = Field(64, ge=1, le=4096, description="Classes retrieved per sample.")
     rerank: int = Field(256, ge=0, le=16384, description="Candidates per sample re-ranked by the exact "
                         "cosine before keeping top_k (0 = rank by Hamming distance only).")
+    retrieved_share: float = Field(0.5, gt=0.0, le=1.0, description="Most of the budget left after the "
+                                   "positives that retrieved classes may take; the rest is uniform fill, which "
+                                   "keeps updating the tail of the softmax (1.0: retrieved classes first, fill "
+                                   "only when they run out). 0.5 gave both more softmax mass and higher accuracy "
+                                   "than 1.0 in benchmarks/results/sampler_accuracy.md.")
     groups: int = Field(1, ge=1, le=1024, description="Sample groups G: the global batch is split into G "
                         "groups, each with its own active set.")
     encode_interval: int = Field(1, ge=0, description="Re-encode the rows the optimizer changed every N "

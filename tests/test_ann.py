@@ -245,7 +245,7 @@ def test_dot_metric_ranks_by_inner_product():
 
 
 def test_background_rebuild_is_adopted_and_rows_changed_meanwhile_are_re_encoded():
-    head = _ann_head(rebuild_interval=2, background_rebuild=True)
+    head = _ann_head(rebuild_interval=2, background_rebuild=True, encode_rows="active")  # every changed row
     opt = torch.optim.SGD([head.weight], lr=5.0)
     x = torch.randn(12, 16, dtype=torch.float64)
     y = torch.randint(0, 300, (12,))

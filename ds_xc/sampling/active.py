@@ -11,6 +11,8 @@ The result is sorted, so targets are remapped with a binary search.
 """
 from __future__ import annotations
 
+import math
+
 from typing import Optional
 
 import torch
@@ -55,9 +57,10 @@ def _uniform_fill(taken: torch.Tensor, count: int, num_local: int, gen: torch.Ge
 
 
 def assemble(positives: torch.Tensor, candidates: Optional[torch.Tensor], budget: int, num_local: int,
-             gen: torch.Generator) -> tuple[torch.Tensor, dict, torch.Tensor]:
+             gen: torch.Generator, candidate_share: float = 1.0) -> tuple[torch.Tensor, dict, torch.Tensor]:
     """(sorted active ids (K,), counts, kept candidates) from positives (P,) and ranked
-    candidates (n, r) or None."""
+    candidates (n, r) or None; candidates take at most ``candidate_share`` of the room
+    left after the positives, uniform fill the rest."""
     device = positives.device
     taken = torch.zeros(num_local, dtype=torch.bool, device=device)
     taken[positives] = True
@@ -65,7 +68,7 @@ def assemble(positives: torch.Tensor, candidates: Optional[torch.Tensor], budget
     room = k - int(positives.numel())
     ranked = ranked_unique(candidates, num_local) if candidates is not None else positives[:0]
     ranked = ranked[~taken[ranked]]
-    kept = ranked[:room]
+    kept = ranked[:room if candidate_share >= 1.0 else math.ceil(candidate_share * room)]
     taken[kept] = True
     fill = _uniform_fill(taken, room - kept.numel(), num_local, gen)
     index = torch.cat([positives, kept, fill]).sort().values

@@ -158,7 +158,8 @@ class AnnSampler(Sampler):
         indices, stats, core = [], [], []
         for a, b in zip(bounds[:-1], bounds[1:]):
             positives = torch.unique(local[a:b][mine[a:b]])
-            index, st, kept = assemble(positives, retrieved[a:b], k, self.num_local, self.generator)
+            index, st, kept = assemble(positives, retrieved[a:b], k, self.num_local, self.generator,
+                                       self.config.retrieved_share)
             targets[a:b] = remap_targets(index, local[a:b], mine[a:b])
             indices.append(index)
             stats.append(st)
