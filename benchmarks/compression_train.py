@@ -1,0 +1,126 @@
+"""One rank of a launch/train.py-style job with the backbone's reduction compressed (or not).
+
+Started once per rank with the launcher variables in the environment (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT; optionally GLOO_SOCKET_IFNAME), by compression_accuracy.py on
+127.0.0.1 and by netns.sh inside network namespaces. It builds exactly what
+launch/train.py builds from a DeepSpeed JSON (data, backbone, ``ds_xc.initialize``: the
+engine plus the class-parallel head), then, unless ``--method dense``, attaches the
+compressed optimizer to the engine (``ds_xc.compression.attach_to_engine``). Same data
+order and steps as train.py. Rank 0 writes a JSON summary to ``--out``:
+
+    RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29600 \\
+        python benchmarks/compression_train.py --config configs/default.json --method topk --steps 20 --out -
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+METHODS = ("dense", "none", "topk", "randomk", "bayes_prior")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=os.path.join(ROOT, "configs", "default.json"))
+    p.add_argument("--method", choices=METHODS, default="bayes_prior",
+                   help="dense: DeepSpeed's own all-reduce; none: the wrapper's dense path")
+    p.add_argument("--compression", default="{}", help="JSON of extra gradient_compression keys")
+    p.add_argument("--density", type=float, default=0.01)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--eval", action="store_true", help="held-out top-1/top-5 at the end")
+    p.add_argument("--eval_samples", type=int, help="override xc_train.eval_samples")
+    p.add_argument("--zero_stage", type=int, default=0, help="override zero_optimization.stage")
+    p.add_argument("--skip_steps", type=int, default=5, help="steps left out of the step-time median")
+    p.add_argument("--out", default="-", help="JSON result of rank 0 ('-': stdout)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    import ds_xc
+    from ds_xc.compression import attach_to_engine
+    from ds_xc.data import build_dataset
+    from ds_xc.engine import init_distributed, load_raw_config
+    from ds_xc.evaluate import evaluate_topk
+    from ds_xc.models import build_backbone
+
+    init_distributed(timeout_s=600)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    raw = load_raw_config(args.config)
+    raw.setdefault("zero_optimization", {})["stage"] = args.zero_stage
+    raw.pop("gradient_compression", None)  # attached explicitly below
+    if args.eval_samples:
+        raw.setdefault("xc_train", {})["eval_samples"] = args.eval_samples
+    xcfg = ds_xc.parse_config(raw)
+    tcfg, hcfg = xcfg.xc_train, xcfg.extreme_classification
+    if rank != 0:
+        dist.barrier()  # rank 0 builds any data cache first
+    data = build_dataset(tcfg.data, hcfg.num_classes, seed=tcfg.seed,
+                         **({"context": tcfg.context} if tcfg.data == "text" else {}))
+    if rank == 0:
+        dist.barrier()
+    torch.manual_seed(tcfg.seed)
+    backbone = build_backbone(data, hcfg.embedding_dim, hidden_dim=tcfg.hidden_dim)
+    xc = ds_xc.initialize(model=backbone, config=raw)
+    comp = None
+    if args.method != "dense":
+        section = dict({"method": args.method, "density": args.density}, **json.loads(args.compression))
+        comp = attach_to_engine(xc.engine, section)
+    micro, gas = xc.engine.train_micro_batch_size_per_gpu(), xc.engine.gradient_accumulation_steps()
+    cast = torch.bfloat16 if xc.engine.bfloat16_enabled() and data.input_kind == "dense" else None
+
+    times, losses = [], []
+    for step in range(args.steps):
+        dist.barrier()  # step time = the slowest rank's
+        t0 = time.perf_counter()
+        for m in range(gas):
+            x, y = data.train_batch(step * gas + m, micro, rank, world)
+            loss = xc(x.to(cast) if cast else x, y)
+            xc.backward(loss)
+            xc.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+    result = {"method": args.method, "density": args.density, "world": world, "steps": args.steps,
+              "config": os.path.relpath(args.config, ROOT), "data": tcfg.data, "num_classes": hcfg.num_classes,
+              "backbone_numel": sum(p.numel() for p in backbone.parameters()),
+              "backbone_dtype": str(next(backbone.parameters()).dtype).replace("torch.", ""),
+              "step_s": statistics.median(times[args.skip_steps:] or times), "final_loss": losses[-1],
+              "loss_last10": statistics.fmean(losses[-10:]), "first_loss": losses[0]}
+    if comp is not None:
+        stats = comp.stats()
+        stats.pop("last", None)
+        result["compression"] = stats
+        result["compression_config"] = comp.config.model_dump()
+    if args.eval:
+        xc.eval()
+        embed = (lambda x: xc.engine(x.to(cast))) if cast else xc.engine
+        ev = evaluate_topk(embed, xc.head, data.eval_batches(micro, rank, world, tcfg.eval_samples),
+                           device=xc.engine.device)
+        result.update(top1=ev["top1"], top5=ev["top5"], eval_samples=ev["samples"])
+    if rank == 0:
+        text = json.dumps(result, indent=1)
+        if args.out == "-":
+            print(text, flush=True)
+        else:
+            with open(args.out, "w") as fh:
+                fh.write(text)
+    dist.barrier()
+    dist.destroy_process_group()
+    return result
+
+
+if __name__ == "__main__":
+    main()
