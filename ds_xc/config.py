@@ -154,6 +154,9 @@ class KnnSampler(_Section):
     sample_rate: float = Field(0.1, gt=0.0, le=1.0,
                                description="Active classes per shard = ceil(sample_rate * num_local).")
     neighbors: int = Field(32, ge=1, le=1024, description="Neighbours per class in the graph (10 to 100 usual).")
+    retrieved_share: float = Field(0.5, gt=0.0, le=1.0, description="Most of the budget left after the "
+                                   "positives that graph neighbours may take; the rest is uniform fill (as for the "
+                                   "ann sampler; 1.0: neighbours first, fill only when they run out).")
     rebuild_interval: int = Field(1000, ge=0, description="Rebuild the graph every N steps (0 = only at "
                                   "start and after loading).")
     rebuild_warmup: int = Field(16, ge=0, description="Early rebuilds: the first after this many steps, then "

@@ -97,7 +97,8 @@ class KnnSampler(Sampler):
                 self.steps, self.built_at, c.rebuild_interval, c.rebuild_warmup):
             self.rebuild(weight)
         positives = torch.unique(local[mine])
-        index, self.last_stats, _ = assemble(positives, self.graph[positives], k, self.num_local, self.generator)
+        index, self.last_stats, _ = assemble(positives, self.graph[positives], k, self.num_local, self.generator,
+                                              c.retrieved_share)
         self.last_stats["staleness"] = self.staleness
         if torch.is_grad_enabled():
             self.steps += 1
