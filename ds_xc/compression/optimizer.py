@@ -108,6 +108,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                                   per_tensor=cfg.granularity == "tensor")
         self._value_dtype = DTYPES[cfg.value_dtype]
         self._buffers = self._make_buffers()
+        self._work: dict = {}  # reused scratch buffers (see _scratch)
         self.counter = WireCounter()
         self._step = 0
         self._resync = False  # set when the global density strayed: sync statistics next step
@@ -202,7 +203,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     def _reduce_bucket(self, grads: list[torch.Tensor]) -> None:
         lay, cfg = self.layout, self.config
-        flat = torch.zeros(lay.padded, dtype=torch.float32, device=grads[0].device)  # (n_pad,)
+        flat = self._scratch("flat", lay.padded, grads[0].device)  # (n_pad,), padding stays zero
         for i, start in zip(lay.sparse, lay.starts):
             flat[start: start + grads[i].numel()].copy_(grads[i].reshape(-1))
         if self.nodes is not None:  # dense inside the node: node mean of this rank's slice (s,)
@@ -221,7 +222,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             global_sent = idx.numel() * comm_size
         else:
             reduced, counts = sparse_allgather_mean(idx, vals, x.numel(), self.comm_group, self._value_dtype,
-                                                    self.counter)
+                                                    self.counter, out=self._scratch("reduced", x.numel(), x.device))
             global_sent = int(counts.sum())
         self._feedback(v, idx, vals)
         expected = self.config.density * x.numel() * comm_size
@@ -240,6 +241,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
         t["global_offered"] += offered * comm_size
         self._last = {"compressed": True, "sent": idx.numel(), "density": idx.numel() / max(offered, 1),
                       "global_density": global_sent / max(offered * comm_size, 1)}
+
+    def _scratch(self, name: str, numel: int, device) -> torch.Tensor:
+        """A float32 work buffer reused across steps (not state: never saved). Fresh 10^7-element
+        buffers every step cost more in page faults than the selection itself."""
+        buf = self._work.get(name)
+        if buf is None or buf.numel() != numel or buf.device != torch.device(device):
+            buf = self._work[name] = torch.zeros(numel, dtype=torch.float32, device=device)
+        return buf
 
     def _accumulate(self, x: torch.Tensor) -> torch.Tensor:
         """v = e + x (or e + (u = m u + x)), in the residual buffer; v = x without error feedback."""

@@ -78,14 +78,15 @@ def _decode_into(acc: torch.Tensor, header: torch.Tensor, offsets: torch.Tensor,
 
 
 def sparse_allgather_mean(idx: torch.Tensor, vals: torch.Tensor, n: int, group, value_dtype: torch.dtype,
-                          counter: WireCounter, intra: bool = False):
+                          counter: WireCounter, intra: bool = False, out: Optional[torch.Tensor] = None):
     """Mean over the ranks of ``group`` of the sparse vectors (idx, vals), dense (n,) float32.
 
     ``idx`` (m,) sorted int64 in [0, n), unique; ``vals`` (m,) float. Returns the dense
-    mean and the (P,) int64 pair counts of all ranks.
+    mean (in ``out`` when given: a reused (n,) float32 buffer saves the page faults of a
+    fresh one every step) and the (P,) int64 pair counts of all ranks.
     """
     header, offsets, values = _encode(idx, vals, n, value_dtype)
-    acc = torch.zeros(n, dtype=torch.float32, device=vals.device)
+    acc = out.zero_() if out is not None else torch.zeros(n, dtype=torch.float32, device=vals.device)
     if not is_distributed(group):
         _decode_into(acc, header, offsets, values)
         return acc, torch.tensor([idx.numel()], dtype=torch.int64)
