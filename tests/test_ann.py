@@ -197,12 +197,19 @@ def test_knn_graph_exact_and_ann():
 
 
 def test_knn_sampler_takes_neighbours_of_positives():
-    s = build_sampler({"type": "knn", "sample_rate": 0.05, "neighbors": 4}, 200, 0, seed=0, rank=0)
     w = clustered(200, 16)
-    a = s.sample(torch.tensor([3, 50]), None, w)
     g = knn_graph_exact(w, 4)
+    s = build_sampler({"type": "knn", "sample_rate": 0.05, "neighbors": 4, "retrieved_share": 1.0}, 200, 0,
+                      seed=0, rank=0)
+    a = s.sample(torch.tensor([3, 50]), None, w)
     must = {3, 50} | set(g[3, :4].tolist()) | set(g[50, :4].tolist())
     assert a.index.numel() == 10 and must <= set(a.index.tolist())
+    # default share 0.5: half the room (4 of 8) goes to neighbours in rank order, the rest is fill
+    s = build_sampler({"type": "knn", "sample_rate": 0.05, "neighbors": 4}, 200, 0, seed=0, rank=0)
+    a = s.sample(torch.tensor([3, 50]), None, w)
+    first = {3, 50} | set(g[3, :2].tolist()) | set(g[50, :2].tolist())
+    assert a.index.numel() == 10 and first <= set(a.index.tolist())
+    assert s.last_stats["kept"] == 4 and s.last_stats["fill"] == 4
 
 
 def test_quality_metrics_match_brute_force():
