@@ -47,7 +47,7 @@ VARIANTS = {
 
 def parse_variant(text: str) -> tuple[str, dict]:
     """A registered variant name, or ``NAME=METHOD:{json of gradient_compression keys}``."""
-    if "=" not in text:
+    if text in VARIANTS or "=" not in text:  # registered names may contain '=' themselves
         return VARIANTS[text]
     _, spec = text.split("=", 1)
     method, _, extra = spec.partition(":")
