@@ -95,6 +95,20 @@ class UniformSampler(_Section):
                                description="Active classes per shard = ceil(sample_rate * num_local).")
 
 
+def _retrieved_share_field(what: str):
+    """``retrieved_share`` of the ann and knn samplers (one rule: ds_xc/sampling/active.py)."""
+    return Field(0.5, gt=0.0, le=1.0, description=f"Most of the budget left after the positives that {what} "
+                 "may take; the rest is uniform fill, which keeps updating the tail of the softmax (1.0: "
+                 f"{what} first, fill only when they run out; measurements in docs/ann.md).")
+
+
+def _rebuild_warmup_field():
+    """``rebuild_warmup`` of the ann index and the knn graph (schedule: ds_xc/sampling/base.rebuild_due)."""
+    return Field(16, ge=0, description="Early rebuilds: the first after this many steps, then at doubling gaps "
+                 "(16, 32, 64, ...) until the gap reaches rebuild_interval; an index built from the initial "
+                 "weights goes stale fastest. 0 = fixed interval only.")
+
+
 class AnnSampler(_Section):
     """ANN softmax: per sample, the classes of highest logit retrieved from a binary-code
     inverted file over the shard's weights; active set = positives, then retrieved classes
@@ -111,11 +125,7 @@ class AnnSampler(_Section):
     top_k: int = Field(64, ge=1, le=4096, description="Classes retrieved per sample.")
     rerank: int = Field(256, ge=0, le=16384, description="Candidates per sample re-ranked by the exact "
                         "cosine before keeping top_k (0 = rank by Hamming distance only).")
-    retrieved_share: float = Field(0.5, gt=0.0, le=1.0, description="Most of the budget left after the "
-                                   "positives that retrieved classes may take; the rest is uniform fill, which "
-                                   "keeps updating the tail of the softmax (1.0: retrieved classes first, fill "
-                                   "only when they run out). 0.5 gave both more softmax mass and higher accuracy "
-                                   "than 1.0 in benchmarks/results/sampler_accuracy.md.")
+    retrieved_share: float = _retrieved_share_field("retrieved classes")
     groups: int = Field(1, ge=1, le=1024, description="Sample groups G: the global batch is split into G "
                         "groups, each with its own active set.")
     encode_interval: int = Field(1, ge=0, description="Re-encode the rows the optimizer changed every N "
@@ -126,9 +136,7 @@ class AnnSampler(_Section):
         "are the small softmax probabilities of easy negatives. Every row is re-encoded at each rebuild.")
     rebuild_interval: int = Field(1000, ge=0, description="Re-run k-means and re-encode every row every N "
                                   "steps (0 = only at start and after loading).")
-    rebuild_warmup: int = Field(16, ge=0, description="Early rebuilds: the first after this many steps, then "
-                                "at doubling gaps (16, 32, 64, ...) until the gap reaches rebuild_interval; an "
-                                "index built from the initial weights goes stale fastest. 0 = fixed interval only.")
+    rebuild_warmup: int = _rebuild_warmup_field()
     kmeans_iterations: int = Field(10, ge=1, le=100, description="Spherical k-means iterations per rebuild.")
     background_rebuild: bool = Field(
         False, description="Run the periodic rebuild in a background thread on a snapshot of the weights, "
@@ -154,14 +162,10 @@ class KnnSampler(_Section):
     sample_rate: float = Field(0.1, gt=0.0, le=1.0,
                                description="Active classes per shard = ceil(sample_rate * num_local).")
     neighbors: int = Field(32, ge=1, le=1024, description="Neighbours per class in the graph (10 to 100 usual).")
-    retrieved_share: float = Field(0.5, gt=0.0, le=1.0, description="Most of the budget left after the "
-                                   "positives that graph neighbours may take; the rest is uniform fill (as for the "
-                                   "ann sampler; 1.0: neighbours first, fill only when they run out).")
+    retrieved_share: float = _retrieved_share_field("graph neighbours")
     rebuild_interval: int = Field(1000, ge=0, description="Rebuild the graph every N steps (0 = only at "
                                   "start and after loading).")
-    rebuild_warmup: int = Field(16, ge=0, description="Early rebuilds: the first after this many steps, then "
-                                "at doubling gaps (16, 32, 64, ...) until the gap reaches rebuild_interval; an "
-                                "index built from the initial weights goes stale fastest. 0 = fixed interval only.")
+    rebuild_warmup: int = _rebuild_warmup_field()
     graph: Literal["exact", "ann"] = Field(
         "exact", description="exact: chunked matmul + top-k over the shard (O(L^2 d)); ann: through the "
         "binary-code inverted file of the ann sampler (for large shards).")

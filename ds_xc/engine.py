@@ -49,11 +49,9 @@ def check_supported(raw: dict) -> None:
         raise cfg.ConfigError(f"zero_optimization.stage={stage!r}: ds_xc supports ZeRO stages 0, 1 and 2 "
                               "for the backbone")
     method = (raw.get(cfg.COMPRESSION_SECTION) or {}).get("method", "bayes_prior")
-    if cfg.COMPRESSION_SECTION in raw and method != "none" and stage != 0:
-        raise cfg.ConfigError(f"zero_optimization.stage={stage!r} with {cfg.COMPRESSION_SECTION}.method="
-                              f"{method!r}: ZeRO stages 1-2 reduce and partition gradients inside DeepSpeed's "
-                              "optimizer, before a compressed reduction could see them; use "
-                              f"zero_optimization.stage=0 or {cfg.COMPRESSION_SECTION}.method='none'")
+    if cfg.COMPRESSION_SECTION in raw and method != "none":  # refused before an engine is built
+        from ds_xc.compression.deepspeed import check_zero_stage
+        check_zero_stage(stage, method)
     if cfg.HEAD_SECTION not in raw:
         raise cfg.ConfigError(f"the DeepSpeed config has no '{cfg.HEAD_SECTION}' section; add one with at "
                               "least num_classes and embedding_dim")

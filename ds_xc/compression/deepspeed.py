@@ -31,17 +31,27 @@ from ds_xc.config import ConfigError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["attach_to_engine", "check_engine"]
+__all__ = ["attach_to_engine", "check_engine", "check_zero_stage"]
+
+
+def check_zero_stage(stage: int, method: str) -> None:
+    """Raise ConfigError when a wrapper for ``method`` would meet ZeRO stage ``stage`` > 0.
+
+    Called from the raw config before the engine is built (ds_xc.engine.check_supported, where
+    method none attaches nothing) and from the built engine (:func:`check_engine`), so both
+    give the same message.
+    """
+    if int(stage) != 0:
+        raise ConfigError(f"zero_optimization.stage={stage} with {COMPRESSION_SECTION}.method={method!r}: ZeRO "
+                          "stages 1-3 reduce and partition gradients inside DeepSpeed's optimizer, before a "
+                          f"compressed reduction could see them; use zero_optimization.stage=0 or "
+                          f"{COMPRESSION_SECTION}.method='none'")
 
 
 def check_engine(engine, method: str) -> None:
     """Raise ConfigError for engine settings the compressed reduction cannot serve correctly."""
     where = f"{COMPRESSION_SECTION}.method={method!r}"
-    stage = int(engine.zero_optimization_stage())
-    if stage != 0:
-        raise ConfigError(f"zero_optimization.stage={stage} with {where}: ZeRO stages 1-3 reduce and "
-                          "partition gradients inside DeepSpeed's optimizer, before a compressed reduction "
-                          f"could see them; use zero_optimization.stage=0 or {COMPRESSION_SECTION}.method='none'")
+    check_zero_stage(int(engine.zero_optimization_stage()), method)
     if engine.fp16_enabled():
         raise ConfigError(f"fp16.enabled=true with {where}: dynamic loss scaling would mix scales in the "
                           "error-feedback residuals; use bf16.enabled=true or fp32")
