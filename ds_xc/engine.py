@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ds_xc import config as cfg
-from ds_xc.checkpoint import load_head_state, save_head_state
+from ds_xc.checkpoint import check_head_checkpoint, load_head_state, save_head_state
 from ds_xc.head import ClassParallelHead, build_head_optimizer
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,11 @@ def check_supported(raw: dict) -> None:
     if cfg.COMPRESSION_SECTION in raw and method != "none":  # refused before an engine is built
         from ds_xc.compression.deepspeed import check_zero_stage
         check_zero_stage(stage, method)
+    overlap = (raw.get(cfg.HEAD_SECTION) or {}).get("overlap")
+    if overlap:
+        from ds_xc.overlap.run import check_overlap
+        check_overlap(cfg.validate_section(cfg.OverlapConfig, overlap, f"{cfg.HEAD_SECTION}.overlap"), int(stage),
+                      bool(raw.get("bf16", {}).get("enabled", False)))
     if cfg.HEAD_SECTION not in raw:
         raise cfg.ConfigError(f"the DeepSpeed config has no '{cfg.HEAD_SECTION}' section; add one with at "
                               "least num_classes and embedding_dim")
@@ -104,12 +109,37 @@ class XCEngine:
     lr_scheduler: Any = None
     base_lr: Optional[float] = None
     compression: Any = None  # the CompressedOptimizer reducing the backbone, when configured
+    schedule: Any = None  # ds_xc.overlap.ChunkedHeadSchedule, when extreme_classification.overlap.enabled
+    grad_reducer: Any = None  # ds_xc.overlap.BucketedGradReducer, when overlap_grad_reduce is on
 
     def __call__(self, inputs, labels, batch_sizes=None) -> torch.Tensor:
         return self.head(self.engine(inputs), labels, batch_sizes)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss)
+
+    def forward_backward(self, inputs, labels, batch_sizes=None) -> torch.Tensor:
+        """One micro-step's forward and backward; returns the global-batch mean loss (detached).
+
+        With ``extreme_classification.overlap.enabled`` this is the overlapped schedule
+        (ds_xc/overlap): the head runs in micro-chunks with its gathers and reduce-scatters
+        in flight, the backbone's backward starts per chunk, and its gradients are reduced in
+        buckets during the backward. Otherwise ``loss = xc(inputs, labels); xc.backward(loss)``.
+        Follow it with :meth:`step` as usual.
+        """
+        if self.schedule is None:
+            loss = self(inputs, labels, batch_sizes)
+            self.backward(loss)
+            return loss.detach()
+        from ds_xc.overlap.run import overlapped_micro_step
+        return overlapped_micro_step(self, inputs, labels, batch_sizes)
+
+    def overlap_stats(self) -> dict:
+        """The overlap timeline: {"last": the last micro-step, "mean": means over all} (empty when off)."""
+        if self.schedule is None:
+            return {}
+        tl = self.schedule.timeline
+        return {"last": dict(tl.last), "mean": tl.summary()}
 
     def step(self) -> None:
         boundary = self.engine.is_gradient_accumulation_boundary()
@@ -163,6 +193,7 @@ class XCEngine:
                 return None
             with open(latest) as fh:
                 tag = fh.read().strip()
+        check_head_checkpoint(os.path.join(load_dir, str(tag)), self.head)  # refuse before anything loads
         path, client_state = self.engine.load_checkpoint(load_dir, tag=tag)
         if path is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint for tag {tag!r} in {load_dir!r}")
@@ -201,7 +232,12 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
     if xc_config.gradient_compression is not None and xc_config.gradient_compression.enabled:
         from ds_xc.compression import attach_to_engine  # takes over the backbone's reduction
         compression = attach_to_engine(engine, xc_config.gradient_compression)
+    schedule = reducer = None
+    if xc_config.extreme_classification.overlap.enabled:
+        from ds_xc.overlap.run import build_overlap
+        schedule, reducer = build_overlap(engine, head, xc_config.extreme_classification.overlap, compression)
     log.info("ds_xc: engine ready (ZeRO stage %d, bf16=%s), head shard %s", engine.zero_optimization_stage(),
              engine.bfloat16_enabled(), head.extra_repr())
     return XCEngine(engine=engine, head=head, head_optimizer=head_optimizer, config=xc_config,
-                    lr_scheduler=scheduler, base_lr=base_lr, compression=compression)
+                    lr_scheduler=scheduler, base_lr=base_lr, compression=compression, schedule=schedule,
+                    grad_reducer=reducer)
