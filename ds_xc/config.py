@@ -202,6 +202,26 @@ class HeadOptimizerConfig(_Section):
         return self
 
 
+class OverlapConfig(_Section):
+    """Section ``extreme_classification.overlap``: hide communication under computation (ds_xc/overlap)."""
+    enabled: bool = Field(False, description="Run the chunked, overlapped schedule in XCEngine.forward_backward "
+                          "(launch/train.py uses it); off = the serial path.")
+    num_chunks: int = Field(2, ge=1, le=256, description="Micro-chunks of the local batch: chunk i+1's "
+                            "all-gather and chunk i's gradient reduce-scatter run while a chunk computes.")
+    chunk_backbone: bool = Field(True, description="Run the backbone forward per chunk too, so that a chunk's "
+                                 "backbone backward starts as soon as its embedding gradient arrives (needs a "
+                                 "backbone whose rows are independent: no BatchNorm over the batch). False: one "
+                                 "backbone forward and backward for the whole batch.")
+    overlap_grad_reduce: bool = Field(True, description="Reduce the backbone's gradients in buckets issued "
+                                      "from gradient hooks during the backward (replaces DeepSpeed's reduction "
+                                      "after it; ZeRO stage 0 only), compressed buckets too when "
+                                      "gradient_compression is on.")
+    bucket_size_mb: float = Field(4.0, gt=0.0, le=4096.0, description="Bucket size of the overlapped "
+                                  "backbone gradient reduction, in MiB of fp32 gradients.")
+    log_every: int = Field(0, ge=0, description="Log the step timeline (compute, communication issued, "
+                           "exposed) every N steps; 0 = never (it is still collected, see overlap_stats()).")
+
+
 class HeadConfig(_Section):
     """Section ``extreme_classification``: the class-parallel classifier head."""
     num_classes: int = Field(..., ge=2, le=10**10, description="Total number of classes C.")
@@ -216,6 +236,7 @@ class HeadConfig(_Section):
     check_inputs: bool = Field(True, description="Check label ranges and finiteness before the step "
                                "(one host sync on GPU).")
     optimizer: HeadOptimizerConfig = Field(default_factory=HeadOptimizerConfig, description="Head optimizer.")
+    overlap: OverlapConfig = Field(default_factory=OverlapConfig, description="Overlap pipeline.")
 
 
 # --------------------------------------------------------------------------- training job

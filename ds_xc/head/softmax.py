@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ds_xc.head.margins import TargetLoss
 from ds_xc.parallel.groups import is_distributed
 
-__all__ = ["sharded_margin_loss", "Reducer"]
+__all__ = ["sharded_margin_loss", "fused_loss_and_grads", "Reducer"]
 
 _EPS = 1e-12
 
@@ -142,48 +142,62 @@ def _accumulate(gw: torch.Tensor, m: torch.Tensor, x: torch.Tensor, first: bool)
         gw += prod
 
 
+def fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, loss: TargetLoss,
+                         group=None, chunk_size: int = 0, need_gx: bool = True, need_gw: bool = True):
+    """Sum of the N loss rows and its gradients, in one pass over row chunks (no autograd).
+
+    x (N, d), w (K, d), targets (N,) as for :func:`sharded_margin_loss`. Returns
+    (total: scalar sum of the rows, gx (N, d) or None, gw (K, d) or None), in the
+    statistics dtype: the gradients of ``total`` itself (divide by N for the mean).
+    Every rank of ``group`` must call it with the same N (the softmax statistics are
+    all-reduced per chunk). The overlap schedule (ds_xc/overlap) calls it per micro-chunk.
+    """
+    need_grad = need_gx or need_gw
+    red = Reducer(group)
+    n_rows, k = x.shape[0], w.shape[0]
+    sd = _stat_dtype(w.dtype)
+    xw = x.to(w.dtype)
+    rw = (1.0 / w.to(sd).norm(dim=1).clamp_min(_EPS)) if loss.normalised else None  # (K,)
+    gx = torch.empty(x.shape, dtype=sd, device=x.device) if need_gx else None  # (N, d)
+    gw = torch.empty((k, w.shape[1]), dtype=sd, device=w.device) if need_gw else None  # (K, d)
+    total = torch.zeros((), dtype=sd, device=x.device)
+    step = chunk_size if chunk_size > 0 else max(n_rows, 1)
+    buf = torch.empty((min(step, n_rows), k), dtype=sd, device=x.device)  # (n, K), one for all chunks
+    for a in range(0, n_rows, step):
+        xc = xw[a: a + step]
+        rows, m, inv, xs = _chunk_step(xc, w, rw, targets[a: a + step], loss, red, need_grad,
+                                       buf[: xc.shape[0]])
+        total += rows.sum()
+        if m is None:
+            continue
+        if need_gx:
+            gxs = _mm_rows(m, w) * inv[:, None]  # (n, d): d/d(xs)
+            if loss.normalised:  # through x/|x|: remove the radial part, divide by |x|
+                radial = (gxs * xs).sum(dim=1, keepdim=True)
+                gxs = (gxs - xs * radial) * (1.0 / xc.to(sd).norm(dim=1).clamp_min(_EPS))[:, None]
+            gx[a: a + step] = gxs
+        if need_gw:
+            _accumulate(gw, m, xs.to(sd) * inv[:, None], first=a == 0)
+    if need_gw and n_rows == 0:
+        gw.zero_()
+    if need_gw and loss.normalised:
+        # gw holds G = rw * d/d(w/|w|); d/dW = G_j - rw_j^2 <W_j, G_j> W_j, row-wise, no (K, d) temporary
+        wf = w.to(sd)
+        radial = torch.bmm(wf.unsqueeze(1), gw.unsqueeze(2)).view(k)  # (K,)
+        gw.addcmul_(wf, (rw * rw * radial)[:, None], value=-1.0)
+    return total, gx, gw
+
+
 class _ShardedMarginLoss(torch.autograd.Function):
     """forward: mean loss over the N rows (and the gradients, computed on the fly);
     backward: the stored gradients times grad_output."""
 
     @staticmethod
     def forward(ctx, x, w, targets, loss, group, chunk_size):
-        need_gx, need_gw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_grad = need_gx or need_gw
-        red = Reducer(group)
-        n_rows, k = x.shape[0], w.shape[0]
-        sd = _stat_dtype(w.dtype)
-        xw = x.to(w.dtype)
-        rw = (1.0 / w.to(sd).norm(dim=1).clamp_min(_EPS)) if loss.normalised else None  # (K,)
-        gx = torch.empty(x.shape, dtype=sd, device=x.device) if need_gx else None  # (N, d)
-        gw = torch.empty((k, w.shape[1]), dtype=sd, device=w.device) if need_gw else None  # (K, d)
-        total = torch.zeros((), dtype=sd, device=x.device)
-        step = chunk_size if chunk_size > 0 else max(n_rows, 1)
-        buf = torch.empty((min(step, n_rows), k), dtype=sd, device=x.device)  # (n, K), one for all chunks
-        for a in range(0, n_rows, step):
-            xc = xw[a: a + step]
-            rows, m, inv, xs = _chunk_step(xc, w, rw, targets[a: a + step], loss, red, need_grad,
-                                           buf[: xc.shape[0]])
-            total += rows.sum()
-            if m is None:
-                continue
-            if need_gx:
-                gxs = _mm_rows(m, w) * inv[:, None]  # (n, d): d/d(xs)
-                if loss.normalised:  # through x/|x|: remove the radial part, divide by |x|
-                    radial = (gxs * xs).sum(dim=1, keepdim=True)
-                    gxs = (gxs - xs * radial) * (1.0 / xc.to(sd).norm(dim=1).clamp_min(_EPS))[:, None]
-                gx[a: a + step] = gxs
-            if need_gw:
-                _accumulate(gw, m, xs.to(sd) * inv[:, None], first=a == 0)
-        if need_gw and n_rows == 0:
-            gw.zero_()
-        if need_gw and loss.normalised:
-            # gw holds G = rw * d/d(w/|w|); d/dW = G_j - rw_j^2 <W_j, G_j> W_j, row-wise, no (K, d) temporary
-            wf = w.to(sd)
-            radial = torch.bmm(wf.unsqueeze(1), gw.unsqueeze(2)).view(k)  # (K,)
-            gw.addcmul_(wf, (rw * rw * radial)[:, None], value=-1.0)
+        total, gx, gw = fused_loss_and_grads(x, w, targets, loss, group, chunk_size,
+                                             ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         ctx.grads = (gx, gw)
-        ctx.n_rows = max(n_rows, 1)
+        ctx.n_rows = max(x.shape[0], 1)
         ctx.dtypes = (x.dtype, w.dtype)
         return total / ctx.n_rows
 

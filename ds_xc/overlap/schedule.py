@@ -1,0 +1,275 @@
+"""The chunked head schedule: the head's all-gather and reduce-scatter run under computation.
+
+Legend: P ranks, B this rank's rows, N = sum of B over ranks, C micro-chunks, d embedding
+dim, K active classes of this shard.
+
+The local batch is split into C chunks (``torch.tensor_split`` sizes, on every rank).
+Per step:
+
+1. labels are all-gathered at once (small), the sampler picks the active set from them
+   (samplers that look at the embeddings, ann, first wait for every chunk's gather);
+2. chunk c's embeddings are all-gathered asynchronously as soon as they exist (with
+   :meth:`ChunkedHeadSchedule.run_backbone` the backbone runs per chunk, so the gather
+   of chunk c overlaps the backbone forward of chunk c+1);
+3. the head computes chunk c (fused loss and gradients, softmax statistics all-reduced
+   per row as in the serial path) while later gathers are in flight, then issues the
+   reduce-scatter of chunk c's embedding gradient and goes on with chunk c+1;
+4. the backbone backward of a chunk starts as soon as its gradient has arrived
+   (``backward(i, embeddings, grad, last)``); the weight gradient of the active rows is
+   delivered once at the end, through autograd, exactly as the serial path delivers it.
+
+Every row's softmax is normalised over all classes of all ranks, as in the serial
+path: rows are independent, so splitting rows into chunks changes no value, only the
+order of float additions (the loss and all gradients equal the serial path within
+float rounding; tests/test_overlap_dist.py checks 1e-6). Communication for the head
+runs on its own process group (a copy of the head's group) so that in-flight gathers
+never queue in front of the small softmax all-reduces.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ds_xc.head.softmax import fused_loss_and_grads
+from ds_xc.overlap.comm import PendingGather, PendingReduceScatter, split_sizes
+from ds_xc.overlap.timeline import Timeline
+from ds_xc.parallel.groups import is_distributed
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ChunkedHeadSchedule", "side_group"]
+
+Backward = Callable[[int, torch.Tensor, torch.Tensor, bool], None]
+
+
+def side_group(group=None):
+    """A new process group with the same ranks as ``group`` (collective: every rank calls it)."""
+    if not is_distributed(group):
+        return None
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    return dist.new_group(ranks=ranks, backend=dist.get_backend(group))
+
+
+def _default_backward(index: int, embeddings: torch.Tensor, grad: torch.Tensor, last: bool) -> None:
+    embeddings.backward(grad)
+
+
+class ChunkedHeadSchedule:
+    """Runs a ClassParallelHead step in C micro-chunks with its communication overlapped.
+
+    Args:
+        head: the ClassParallelHead (its sampler, loss, chunk_size and group are used).
+        num_chunks: C, micro-chunks of the local batch.
+        overlap: False waits for every collective at once (the serial schedule, timed the
+            same way: its exposed communication is all of its communication).
+        timeline: where waits are recorded (default: a new Timeline).
+        comm_group: the group for the head's gathers and reduce-scatters (default: a new
+            copy of the head's group, built here: every rank must construct the schedule).
+    """
+
+    def __init__(self, head, num_chunks: int = 2, overlap: bool = True, timeline: Optional[Timeline] = None,
+                 comm_group=None):
+        if num_chunks < 1:
+            raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")
+        self.head, self.num_chunks, self.overlap = head, int(num_chunks), bool(overlap)
+        self.timeline = timeline if timeline is not None else Timeline(head.weight.device)
+        self.comm_group = comm_group if comm_group is not None else side_group(head.group)
+
+    # ------------------------------------------------------------------ entry points
+    def run(self, embeddings: Union[torch.Tensor, Sequence[torch.Tensor]], labels: torch.Tensor,
+            batch_sizes: Optional[Sequence[int]] = None, backward: Optional[Backward] = None,
+            weight_grad_scale: float = 1.0) -> torch.Tensor:
+        """One step from embeddings already computed; returns the global-batch mean loss (detached).
+
+        ``embeddings``: one (B, d) tensor (one backbone graph: its backward runs once, with
+        the whole gradient, after the last chunk) or a list of C chunk tensors whose row
+        counts are ``split_sizes(B, C)`` (one graph each: chunk i's backward runs as soon
+        as its gradient arrives). ``backward(i, emb, grad, last)`` runs the backbone
+        backward (default ``emb.backward(grad)``); ``weight_grad_scale`` multiplies the
+        head weight's gradient (1 / gradient-accumulation steps inside an engine).
+        """
+        if isinstance(embeddings, torch.Tensor):
+            parts = list(torch.tensor_split(embeddings, self.num_chunks))
+            return self._step(iter(parts), embeddings.shape[0], labels, batch_sizes, backward,
+                              weight_grad_scale, whole=embeddings)
+        parts = list(embeddings)
+        if len(parts) != self.num_chunks:
+            raise ValueError(f"got {len(parts)} embedding chunks, the schedule has num_chunks={self.num_chunks}")
+        total = sum(p.shape[0] for p in parts)
+        if [p.shape[0] for p in parts] != split_sizes(total, self.num_chunks):
+            raise ValueError(f"embedding chunks have {[p.shape[0] for p in parts]} rows; with {total} rows in "
+                             f"{self.num_chunks} chunks they must have {split_sizes(total, self.num_chunks)} "
+                             "(torch.tensor_split sizes, the same rule on every rank)")
+        return self._step(iter(parts), total, labels, batch_sizes, backward, weight_grad_scale)
+
+    def run_backbone(self, embed: Callable, inputs: torch.Tensor, labels: torch.Tensor,
+                     batch_sizes: Optional[Sequence[int]] = None, backward: Optional[Backward] = None,
+                     weight_grad_scale: float = 1.0) -> torch.Tensor:
+        """One step that also runs the backbone per chunk: ``embed(inputs_chunk) -> (b, d)``.
+
+        Chunk c's all-gather is issued as soon as its embeddings exist, while the backbone
+        computes chunk c+1. The backbone's rows must be independent (no BatchNorm over the batch).
+        """
+        parts = torch.tensor_split(inputs, self.num_chunks)
+        return self._step((embed(p) for p in parts), inputs.shape[0], labels, batch_sizes, backward,
+                          weight_grad_scale)
+
+    # ------------------------------------------------------------------ the step
+    def _layout(self, local_rows: int, batch_sizes):
+        """Per-chunk row counts of every rank and the chunk rows' positions in the serial global batch."""
+        head, C = self.head, self.num_chunks
+        sizes = list(batch_sizes) if batch_sizes is not None else [local_rows] * head.world_size
+        if len(sizes) != head.world_size or sizes[head.rank] != local_rows:
+            raise ValueError(f"batch_sizes {sizes} do not match this rank's {local_rows} rows (rank {head.rank} "
+                             f"of {head.world_size})")
+        splits = [split_sizes(s, C) for s in sizes]  # [rank][chunk]
+        offsets = [sum(sizes[:r]) for r in range(len(sizes))]
+        per_chunk, positions = [], []
+        for c in range(C):
+            per_chunk.append([splits[r][c] for r in range(len(sizes))])
+            pos = [torch.arange(offsets[r] + sum(splits[r][:c]), offsets[r] + sum(splits[r][:c + 1]))
+                   for r in range(len(sizes))]
+            positions.append(torch.cat(pos))  # (N_c,) on the host: no device sync to select rows
+        return sizes, per_chunk, positions
+
+    def _step(self, chunks, local_rows: int, labels: torch.Tensor, batch_sizes, backward, weight_grad_scale,
+              whole: Optional[torch.Tensor] = None) -> torch.Tensor:
+        head, tl, C = self.head, self.timeline, self.num_chunks
+        backward = backward or _default_backward
+        own_step = tl._t0 is None
+        if own_step:
+            tl.begin_step()
+        blocking = not self.overlap
+        sizes, per_chunk, positions = self._layout(local_rows, batch_sizes)
+        n = sum(sizes)
+        device = head.weight.device
+        if labels.shape != (local_rows,):
+            raise ValueError(f"labels must have shape ({local_rows},) to match the embeddings, got "
+                             f"{tuple(labels.shape)} on rank {head.rank}")
+        y = PendingGather(labels.to(torch.int64), sizes, self.comm_group, tl, "labels", blocking=True).wait()  # (N,)
+
+        # forward: every chunk's gather is issued as soon as the chunk exists
+        embeds, gathers = [], []
+        for c, emb in enumerate(chunks):
+            embeds.append(emb)
+            gathers.append(PendingGather(emb.detach(), per_chunk[c], self.comm_group, tl, "gather",
+                                         blocking=blocking) if sum(per_chunk[c]) else None)
+        head._check(torch.cat([e.detach() for e in embeds]) if C > 1 else embeds[0].detach(), labels)
+        need_gx = any(e.requires_grad for e in embeds)
+        need_gw = head.weight.requires_grad and torch.is_grad_enabled()
+
+        gathered: list = [None] * C
+        x_serial = None
+        sampler = head.sampler
+        if sampler.needs_embeddings:  # the active set depends on every row's embedding: wait for all
+            x_serial = self._assemble(gathers, gathered, positions, n)
+        active = sampler.sample(y, x_serial, head.weight)
+        head.last_active = active
+        groups = [(rows, index, head.weight.detach() if index is None else head.weight.detach()[index])
+                  for rows, index in active.groups()]  # (K, d) active rows, gathered once per step
+        gw_sum: list = [None] * len(groups)
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        inv_local = 1.0 / max(local_rows, 1)  # local-mean convention of the embedding gradient
+        last_local = max((c for c in range(C) if per_chunk[c][head.rank] > 0), default=-1)
+
+        pending: list = []  # (chunk, PendingReduceScatter) not yet consumed by the backbone
+        for c in range(C):
+            if sum(per_chunk[c]) == 0:  # the same on every rank: nobody calls a collective for it
+                continue
+            xc = gathered[c] if gathered[c] is not None else gathers[c].wait()  # (N_c, d)
+            gathered[c] = xc if x_serial is None and self._keep_for_metrics() else None
+            gx = self._chunk(xc, positions[c].to(device), active, groups, gw_sum, need_gx, need_gw, total)
+            if need_gx:
+                pending.append((c, PendingReduceScatter(gx, per_chunk[c], head.rank, self.comm_group, tl,
+                                                        blocking=blocking)))
+            if whole is None and len(pending) > 1:  # chunk c-1's backbone backward while chunk c's gradient travels
+                self._backward_chunk(*pending.pop(0), embeds, backward, inv_local, last_local)
+        if whole is None:
+            while pending:
+                self._backward_chunk(*pending.pop(0), embeds, backward, inv_local, last_local)
+        elif pending:
+            grad = torch.cat([p.wait() for _, p in pending]) * inv_local  # (B, d)
+            backward(0, whole, grad.to(whole.dtype), True)
+
+        if need_gw:
+            self._deliver_weight_grad(groups, gw_sum, weight_grad_scale / max(n, 1))
+        if self._keep_for_metrics():
+            if x_serial is None:
+                x_serial = self._assemble(gathers, gathered, positions, n)
+            head._maybe_measure(x_serial, active)
+        loss = (total / max(n, 1)).to(head.weight.dtype if head.weight.dtype == torch.float64 else torch.float32)
+        if own_step:
+            tl.end_step()
+        return loss
+
+    def _chunk(self, xc, pos, active, groups, gw_sum, need_gx, need_gw, total):
+        """Loss rows and gradients of one chunk; returns the chunk's embedding gradient (N_c, d) (row sums)."""
+        head = self.head
+        targets = active.targets[pos]  # (N_c,)
+        if len(groups) == 1:
+            rows_total, gx, gw = fused_loss_and_grads(xc, groups[0][2], targets, head.loss_fn, head.group,
+                                                      head.chunk_size, need_gx, need_gw)
+            total += rows_total.to(total.dtype)
+            if need_gw:
+                gw_sum[0] = gw if gw_sum[0] is None else gw_sum[0].add_(gw)
+            return gx
+        gx_all = None
+        pos_host = pos.cpu()
+        for g, (rows, _, w) in enumerate(groups):
+            sel = ((pos_host >= rows.start) & (pos_host < rows.stop)).nonzero().squeeze(1)  # host: same on all ranks
+            if sel.numel() == 0:
+                continue
+            sel_d = sel.to(xc.device)
+            rows_total, gx, gw = fused_loss_and_grads(xc[sel_d], w, targets[sel_d], head.loss_fn, head.group,
+                                                      head.chunk_size, need_gx, need_gw)
+            total += rows_total.to(total.dtype)
+            if need_gw:
+                gw_sum[g] = gw if gw_sum[g] is None else gw_sum[g].add_(gw)
+            if need_gx:
+                if gx_all is None:
+                    gx_all = gx.new_zeros((xc.shape[0], xc.shape[1]))
+                gx_all[sel_d] = gx
+        return gx_all
+
+    def _backward_chunk(self, c, rs, embeds, backward, inv_local, last_local) -> None:
+        grad = rs.wait() * inv_local  # (b_c, d)
+        if grad.shape[0]:
+            emb = embeds[c]
+            backward(c, emb, grad.to(emb.dtype), c == last_local)
+
+    def _deliver_weight_grad(self, groups, gw_sum, scale: float) -> None:
+        """Hand the active rows' gradients to the weight through autograd, as the serial path does
+        (dense .grad, or a sparse row gradient with lazy updates; accumulates like backward)."""
+        head = self.head
+        for (rows, index, w), gw in zip(groups, gw_sum):
+            if gw is None:
+                gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+            g = (gw * scale).to(head.weight.dtype)
+            if index is None:
+                head.weight.backward(g)
+            else:
+                F.embedding(index, head.weight, sparse=head.update == "lazy").backward(g)
+
+    def _keep_for_metrics(self) -> bool:
+        cfg, sampler = self.head.sampler_config, self.head.sampler
+        every = getattr(cfg, "metrics_interval", 0)
+        return bool(every) and torch.is_grad_enabled() and getattr(sampler, "steps", 0) % every == 0
+
+    def _assemble(self, gathers, gathered, positions, n) -> torch.Tensor:
+        """The gathered chunks put back in the serial row order: (N, d)."""
+        x = None
+        for c, pg in enumerate(gathers):
+            if pg is None:
+                continue
+            xc = gathered[c] if gathered[c] is not None else pg.wait()
+            gathered[c] = xc
+            if x is None:
+                x = xc.new_empty((n, xc.shape[1]))
+            x[positions[c].to(xc.device)] = xc
+        if x is None:  # an empty global batch
+            x = torch.empty((0, self.head.embedding_dim), device=self.head.weight.device)
+        return x

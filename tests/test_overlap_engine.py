@@ -1,0 +1,72 @@
+"""XCEngine.forward_backward with the overlap pipeline inside a DeepSpeed engine (2 and 3 gloo
+ranks): after one optimizer step (with gradient accumulation) every head shard and the
+backbone moved exactly as the float64 single-process reference says; refused settings
+name their keys."""
+import pytest
+import torch
+
+import ds_xc
+from ds_xc.engine import check_supported
+from ds_xc.head import init_shard, shard_range
+from tests.reference import LOSSES, per_row_loss
+from tests.test_engine import LR_BODY, LR_HEAD, SEED, _backbone, _batch, _config
+
+C, D = 23, 6
+
+
+def _overlap_config(stage, gas, num_chunks, chunk_backbone, reduce, bf16=False):
+    cfg = _config(stage, gas, bf16=bf16)
+    cfg["extreme_classification"]["overlap"] = {"enabled": True, "num_chunks": num_chunks,
+                                                "chunk_backbone": chunk_backbone, "overlap_grad_reduce": reduce,
+                                                "bucket_size_mb": 1e-5}
+    return cfg
+
+
+def _one_step(rank, world, gas, num_chunks, chunk_backbone, reduce):
+    body = _backbone()
+    xc = ds_xc.initialize(model=body, optimizer=torch.optim.SGD(body.parameters(), lr=LR_BODY),
+                          config=_overlap_config(0, gas, num_chunks, chunk_backbone, reduce))
+    losses = []
+    for micro in range(gas):
+        x, y = _batch(micro, rank)
+        losses.append(xc.forward_backward(x, y).item())
+        xc.step()
+    stats = xc.overlap_stats()
+    return {"w1": xc.head.weight.detach().clone(), "a1": xc.engine.module.weight.detach().clone(),
+            "losses": losses, "steps": xc.global_steps, "timeline": stats["mean"],
+            "allreduce_on": xc.engine.enable_backward_allreduce}
+
+
+@pytest.mark.parametrize("world,gas,num_chunks,chunk_backbone,reduce", [
+    (2, 1, 2, True, True), (2, 2, 4, True, True), (3, 2, 2, False, True), (3, 1, 3, True, False),
+    (2, 2, 2, False, False)])
+def test_overlapped_engine_step_matches_reference(pools, world, gas, num_chunks, chunk_backbone, reduce):
+    res = pools(world).run(_one_step, gas, num_chunks, chunk_backbone, reduce)
+    a0 = _backbone().weight.detach().double().requires_grad_()
+    w0 = init_shard(C, D, 0, C, 0.5, SEED, torch.float64).requires_grad_()
+    total = 0.0
+    for micro in range(gas):
+        xs, ys = zip(*(_batch(micro, r) for r in range(world)))
+        x, y = torch.cat(xs).double(), torch.cat(ys)
+        lm = per_row_loss(x @ a0.t(), w0, y, LOSSES["cosface"]).mean()
+        for r in res:
+            assert r["losses"][micro] == pytest.approx(lm.item(), rel=1e-5)
+        total = total + lm / gas
+    total.backward()
+    for rank, r in enumerate(res):
+        start, n = shard_range(C, world, rank)
+        assert r["steps"] == 1
+        expected = w0.detach()[start: start + n] - LR_HEAD * w0.grad[start: start + n]
+        torch.testing.assert_close(r["w1"].double(), expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(r["a1"].double(), a0.detach() - LR_BODY * a0.grad, rtol=1e-5, atol=1e-6)
+        assert r["timeline"]["steps"] == gas and r["timeline"]["issued"] > 0
+        assert r["allreduce_on"] == (not reduce)  # the bucketed reducer replaced the engine's all-reduce
+
+
+@pytest.mark.parametrize("key,value,stage,bf16", [("chunk_backbone", True, 0, True),
+                                                  ("overlap_grad_reduce", True, 1, False)])
+def test_refused_settings_name_their_keys(key, value, stage, bf16):
+    cfg = _overlap_config(stage, 1, 2, chunk_backbone=key == "chunk_backbone", reduce=key != "chunk_backbone",
+                          bf16=bf16)
+    with pytest.raises(ds_xc.ConfigError, match=f"overlap.{key}=true"):
+        check_supported(cfg)
