@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 __all__ = ["save_head_state", "load_head_state", "check_head_checkpoint", "shard_file", "atomic_save",
            "read_meta", "write_meta", "load_file", "load_shard", "ShardRows", "CheckpointError",
            "load_exported_head", "load_exported_into_head", "read_export_index", "file_sha256",
-           "EXPORT_FORMAT", "EXPORT_INDEX"]
+           "resolve_tag", "EXPORT_FORMAT", "EXPORT_INDEX"]
 
 HEAD_DIR = "ds_xc_head"
 META_FILE = "meta.json"
@@ -102,6 +102,21 @@ def save_head_state(tag_dir: str, head, optimizer=None) -> str:
 
 
 # ---------------------------------------------------------------------- reading, validated
+def resolve_tag(load_dir: str, tag: Optional[str] = None) -> str:
+    """``tag``, or the one named in ``load_dir/latest``; the tag folder must exist."""
+    if tag is None:
+        latest = os.path.join(load_dir, "latest")
+        if not os.path.isfile(latest):
+            tags = sorted(d for d in os.listdir(load_dir) if os.path.isdir(os.path.join(load_dir, d))) \
+                if os.path.isdir(load_dir) else []
+            raise FileNotFoundError(f"{latest!r} does not exist: name a tag (one of {tags})")
+        with open(latest) as fh:
+            tag = fh.read().strip()
+    if not os.path.isdir(os.path.join(load_dir, tag)):
+        raise FileNotFoundError(f"tag {tag!r}: {os.path.join(load_dir, tag)!r} is not a folder")
+    return tag
+
+
 def load_file(path: str, what: str = "checkpoint file", map_location="cpu", mmap: bool = False):
     """``torch.load(path, weights_only=True)``; any failure becomes an error that names the file.
 
@@ -365,6 +380,8 @@ def load_exported_head(path: str, start: int = 0, count: Optional[int] = None, v
     ``path`` is a single exported file or a sharded export (its folder or index json).
     ``verify`` checks each shard file read against the sha256 the index records.
     """
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"exported head {path!r} does not exist")
     if os.path.isfile(path) and not path.endswith(".json"):
         return _read_export_file(path, start, count, 0, None)
     index = read_export_index(path)
