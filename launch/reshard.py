@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from ds_xc.checkpoint import (HEAD_DIR, CheckpointError, ShardRows, atomic_save, load_file,  # noqa: E402
-                              read_meta, shard_file, write_meta)
+                              read_meta, resolve_tag, shard_file, write_meta)
 from ds_xc.compression.checkpoint import COMPRESSION_DIR, compression_file  # noqa: E402
 from ds_xc.head.partition import shard_range  # noqa: E402
 
@@ -48,22 +48,6 @@ _SAMPLER_KEPT = ("generator", "steps")  # everything else describes the old shar
 
 class ReshardError(RuntimeError):
     """The checkpoint cannot be resharded as asked; the message says why and what to do."""
-
-
-def resolve_tag(load_dir: str, tag=None) -> str:
-    if tag is None:
-        latest = os.path.join(load_dir, "latest")
-        if not os.path.isfile(latest):
-            raise ReshardError(f"{latest!r} does not exist: pass --tag (one of {sorted(_tags(load_dir))})")
-        with open(latest) as fh:
-            tag = fh.read().strip()
-    if not os.path.isdir(os.path.join(load_dir, tag)):
-        raise ReshardError(f"tag {tag!r}: {os.path.join(load_dir, tag)!r} is not a folder")
-    return tag
-
-
-def _tags(load_dir: str) -> list:
-    return [d for d in os.listdir(load_dir) if os.path.isdir(os.path.join(load_dir, d))] if os.path.isdir(load_dir) else []
 
 
 # ---------------------------------------------------------------------- the head
