@@ -289,7 +289,9 @@ class ShardRows:
                 raise CheckpointError(f"head shard {self.paths[r]!r} has no optimizer state {key!r}, "
                                       "which other shards of the checkpoint have")
             parts.append(src[lo - s0: hi - s0])
-        return torch.cat(parts).clone() if parts else torch.empty((0, self.embedding_dim), dtype=self.dtype)
+        if not parts:
+            return torch.empty((0, self.embedding_dim), dtype=self.dtype)
+        return torch.cat(parts) if len(parts) > 1 else parts[0].clone()  # a copy, never a view of the map
 
 
 # ---------------------------------------------------------------------- exported heads

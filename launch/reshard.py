@@ -242,8 +242,8 @@ def main(argv=None) -> dict:
           f"{report['world_size']} ranks into {args.out_dir}")
     for note in report["notes"]:
         print(f"  {note}")
-    print(f"resume with: deepspeed --num_gpus {report['world_size']} launch/train.py --save_dir {args.out_dir} "
-          "--resume (plus your usual flags)")
+    ranks = f"--num_gpus {report['world_size']} " if report["world_size"] > 1 else ""
+    print(f"resume with: deepspeed {ranks}launch/train.py --save_dir {args.out_dir} --resume (plus your usual flags)")
     return report
 
 
