@@ -175,7 +175,8 @@ def check_shard(state, path: str, meta: dict, rank: int) -> None:
     rows = (start, count, meta["num_classes"], meta["world_size"])
     saved = (state.get("class_start"), state.get("num_local"), state.get("num_classes"), state.get("world_size"))
     if saved != rows:
-        raise _bad(path, f"holds classes [{saved[0]}, {(saved[0] or 0) + (saved[1] or 0)}) of {saved[2]} on "
+        end = saved[0] + saved[1] if all(isinstance(v, int) for v in saved[:2]) else "?"
+        raise _bad(path, f"holds classes [{saved[0]}, {end}) of {saved[2]} on "
                    f"{saved[3]} ranks; {meta['path']} says rank {rank} holds [{start}, {start + count}) of "
                    f"{meta['num_classes']} on {meta['world_size']} ranks")
     shape = (count, meta["embedding_dim"])
