@@ -208,10 +208,12 @@ class OverlapConfig(_Section):
                           "(launch/train.py uses it); off = the serial path.")
     num_chunks: int = Field(2, ge=1, le=256, description="Micro-chunks of the local batch: chunk i+1's "
                             "all-gather and chunk i's gradient reduce-scatter run while a chunk computes.")
-    chunk_backbone: bool = Field(True, description="Run the backbone forward per chunk too, so that a chunk's "
-                                 "backbone backward starts as soon as its embedding gradient arrives (needs a "
-                                 "backbone whose rows are independent: no BatchNorm over the batch). False: one "
-                                 "backbone forward and backward for the whole batch.")
+    chunk_backbone: bool = Field(False, description="Run the backbone forward per chunk too, so that a chunk's "
+                                 "backbone backward starts as soon as its embedding gradient arrives and its "
+                                 "gather overlaps the next chunk's forward (needs rows that are independent: no "
+                                 "BatchNorm over the batch; fp32 ZeRO-0). Only the last chunk's backward then hides "
+                                 "the gradient reduction; false (one backbone graph) hides it under the whole "
+                                 "backward.")
     overlap_grad_reduce: bool = Field(True, description="Reduce the backbone's gradients in buckets issued "
                                       "from gradient hooks during the backward (replaces DeepSpeed's reduction "
                                       "after it; ZeRO stage 0 only), compressed buckets too when "

@@ -142,17 +142,28 @@ class XCEngine:
         return {"last": dict(tl.last), "mean": tl.summary()}
 
     def step(self) -> None:
+        """Optimizer step at gradient-accumulation boundaries (a no-op between them, as engine.step).
+
+        The head steps first, with the learning rate the backbone uses in this step: its
+        update does not depend on the backbone's gradients, so with the overlap pipeline it
+        runs while the backbone's gradient buckets are still on the wire; then the buckets
+        are waited for and the engine steps.
+        """
         boundary = self.engine.is_gradient_accumulation_boundary()
+        if boundary:
+            head_cfg = self.config.extreme_classification.optimizer
+            if head_cfg.lr_schedule == "follow_engine" and self.base_lr:
+                ratio = self.engine.get_lr()[0] / self.base_lr
+                for group in self.head_optimizer.param_groups:
+                    group["lr"] = head_cfg.lr * ratio
+            self.head_optimizer.step()
+            self.head_optimizer.zero_grad(set_to_none=True)
+            if self.grad_reducer is not None:
+                self.grad_reducer.finish()
         self.engine.step()
-        if not boundary:
-            return
-        head_cfg = self.config.extreme_classification.optimizer
-        if head_cfg.lr_schedule == "follow_engine" and self.base_lr:
-            ratio = self.engine.get_lr()[0] / self.base_lr
-            for group in self.head_optimizer.param_groups:
-                group["lr"] = head_cfg.lr * ratio
-        self.head_optimizer.step()
-        self.head_optimizer.zero_grad(set_to_none=True)
+        if self.schedule is not None:
+            from ds_xc.overlap.run import end_micro_step
+            end_micro_step(self)
 
     def train(self, mode: bool = True) -> "XCEngine":
         self.engine.train(mode)

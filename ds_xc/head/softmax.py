@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ds_xc.head.margins import TargetLoss
 from ds_xc.parallel.groups import is_distributed
 
-__all__ = ["sharded_margin_loss", "fused_loss_and_grads", "Reducer"]
+__all__ = ["sharded_margin_loss", "fused_loss_and_grads", "finish_weight_grad", "inverse_row_norms", "Reducer"]
 
 _EPS = 1e-12
 
@@ -142,24 +142,49 @@ def _accumulate(gw: torch.Tensor, m: torch.Tensor, x: torch.Tensor, first: bool)
         gw += prod
 
 
+def inverse_row_norms(w: torch.Tensor, loss: TargetLoss) -> Optional[torch.Tensor]:
+    """(K,) 1/|w_j| in the statistics dtype for cosine losses; None for plain softmax."""
+    return (1.0 / w.to(_stat_dtype(w.dtype)).norm(dim=1).clamp_min(_EPS)) if loss.normalised else None
+
+
+def finish_weight_grad(gw: torch.Tensor, w: torch.Tensor, rw: Optional[torch.Tensor], loss: TargetLoss) -> None:
+    """Cosine losses: turn the accumulated G = rw * d/d(w/|w|) into d/dW, in place, row-wise:
+    dW_j = G_j - rw_j^2 <W_j, G_j> W_j (no (K, d) temporary). Plain softmax: nothing to do."""
+    if not loss.normalised:
+        return
+    wf = w.to(gw.dtype)
+    radial = torch.bmm(wf.unsqueeze(1), gw.unsqueeze(2)).view(w.shape[0])  # (K,)
+    gw.addcmul_(wf, (rw * rw * radial)[:, None], value=-1.0)
+
+
 def fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, loss: TargetLoss,
-                         group=None, chunk_size: int = 0, need_gx: bool = True, need_gw: bool = True):
+                         group=None, chunk_size: int = 0, need_gx: bool = True, need_gw: bool = True, *,
+                         rw: Optional[torch.Tensor] = None, gw: Optional[torch.Tensor] = None,
+                         accumulate: bool = False, finish: bool = True):
     """Sum of the N loss rows and its gradients, in one pass over row chunks (no autograd).
 
     x (N, d), w (K, d), targets (N,) as for :func:`sharded_margin_loss`. Returns
     (total: scalar sum of the rows, gx (N, d) or None, gw (K, d) or None), in the
     statistics dtype: the gradients of ``total`` itself (divide by N for the mean).
     Every rank of ``group`` must call it with the same N (the softmax statistics are
-    all-reduced per chunk). The overlap schedule (ds_xc/overlap) calls it per micro-chunk.
+    all-reduced per chunk).
+
+    The overlap schedule (ds_xc/overlap) calls it once per micro-chunk with the same
+    weights, so the O(K d) work is hoisted: ``rw`` (:func:`inverse_row_norms`, computed
+    once), ``gw`` a (K, d) buffer that the call overwrites or, with ``accumulate``, adds
+    to, and ``finish=False`` to leave the cosine normalisation's backward to one
+    :func:`finish_weight_grad` at the end.
     """
     need_grad = need_gx or need_gw
     red = Reducer(group)
     n_rows, k = x.shape[0], w.shape[0]
     sd = _stat_dtype(w.dtype)
     xw = x.to(w.dtype)
-    rw = (1.0 / w.to(sd).norm(dim=1).clamp_min(_EPS)) if loss.normalised else None  # (K,)
+    if rw is None:
+        rw = inverse_row_norms(w, loss)  # (K,)
     gx = torch.empty(x.shape, dtype=sd, device=x.device) if need_gx else None  # (N, d)
-    gw = torch.empty((k, w.shape[1]), dtype=sd, device=w.device) if need_gw else None  # (K, d)
+    if need_gw and gw is None:
+        gw = torch.empty((k, w.shape[1]), dtype=sd, device=w.device)  # (K, d)
     total = torch.zeros((), dtype=sd, device=x.device)
     step = chunk_size if chunk_size > 0 else max(n_rows, 1)
     buf = torch.empty((min(step, n_rows), k), dtype=sd, device=x.device)  # (n, K), one for all chunks
@@ -177,14 +202,11 @@ def fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor
                 gxs = (gxs - xs * radial) * (1.0 / xc.to(sd).norm(dim=1).clamp_min(_EPS))[:, None]
             gx[a: a + step] = gxs
         if need_gw:
-            _accumulate(gw, m, xs.to(sd) * inv[:, None], first=a == 0)
-    if need_gw and n_rows == 0:
+            _accumulate(gw, m, xs.to(sd) * inv[:, None], first=a == 0 and not accumulate)
+    if need_gw and n_rows == 0 and not accumulate:
         gw.zero_()
-    if need_gw and loss.normalised:
-        # gw holds G = rw * d/d(w/|w|); d/dW = G_j - rw_j^2 <W_j, G_j> W_j, row-wise, no (K, d) temporary
-        wf = w.to(sd)
-        radial = torch.bmm(wf.unsqueeze(1), gw.unsqueeze(2)).view(k)  # (K,)
-        gw.addcmul_(wf, (rw * rw * radial)[:, None], value=-1.0)
+    if need_gw and finish:
+        finish_weight_grad(gw, w, rw, loss)
     return total, gx, gw
 
 

@@ -21,7 +21,7 @@ from ds_xc.overlap.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
-__all__ = ["check_overlap", "build_overlap", "overlapped_micro_step"]
+__all__ = ["check_overlap", "build_overlap", "overlapped_micro_step", "end_micro_step"]
 
 
 def check_overlap(overlap, zero_stage: int, bf16: bool) -> None:
@@ -59,7 +59,10 @@ def build_overlap(engine, head, overlap, compression=None):
 
 
 def overlapped_micro_step(xc, inputs, labels, batch_sizes=None) -> torch.Tensor:
-    """Forward and backward of one micro-step through the overlap pipeline (see XCEngine.forward_backward)."""
+    """Forward and backward of one micro-step through the overlap pipeline (see XCEngine.forward_backward).
+
+    At an accumulation boundary the backbone's gradient buckets are left in flight: XCEngine.step
+    steps the head first and waits for them only before the engine's step."""
     engine, schedule, reducer = xc.engine, xc.schedule, xc.grad_reducer
     overlap = xc.config.extreme_classification.overlap
     boundary = engine.is_gradient_accumulation_boundary()
@@ -82,10 +85,15 @@ def overlapped_micro_step(xc, inputs, labels, batch_sizes=None) -> torch.Tensor:
         loss = schedule.run_backbone(engine, inputs, labels, batch_sizes, backward, weight_grad_scale=scale)
     else:
         loss = schedule.run(engine(inputs), labels, batch_sizes, backward, weight_grad_scale=scale)
-    if boundary and reducer is not None:
-        reducer.finish()
+    return loss
+
+
+def end_micro_step(xc) -> None:
+    """Close the micro-step's timeline (called by XCEngine.step, after the reduction was waited for)."""
+    timeline = xc.schedule.timeline
+    if timeline._t0 is None:
+        return
     rec = timeline.end_step()
-    every = overlap.log_every
+    every = xc.config.extreme_classification.overlap.log_every
     if every and timeline.steps % every == 0:
         log.info("overlap timeline (micro-step %d): %s", timeline.steps, Timeline.format(rec))
-    return loss

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ds_xc.head.softmax import fused_loss_and_grads
+from ds_xc.head.softmax import finish_weight_grad, fused_loss_and_grads, inverse_row_norms
 from ds_xc.overlap.comm import PendingGather, PendingReduceScatter, split_sizes
 from ds_xc.overlap.timeline import Timeline
 from ds_xc.parallel.groups import is_distributed
@@ -171,7 +171,8 @@ class ChunkedHeadSchedule:
         head.last_active = active
         groups = [(rows, index, head.weight.detach() if index is None else head.weight.detach()[index])
                   for rows, index in active.groups()]  # (K, d) active rows, gathered once per step
-        gw_sum: list = [None] * len(groups)
+        norms = [inverse_row_norms(w, head.loss_fn) for _, _, w in groups]  # (K,) once per step, not per chunk
+        gw_sum: list = [None] * len(groups)  # (K, d) accumulators, normalisation backward applied at the end
         total = torch.zeros((), dtype=torch.float64, device=device)
         inv_local = 1.0 / max(local_rows, 1)  # local-mean convention of the embedding gradient
         last_local = max((c for c in range(C) if per_chunk[c][head.rank] > 0), default=-1)
@@ -182,7 +183,7 @@ class ChunkedHeadSchedule:
                 continue
             xc = gathered[c] if gathered[c] is not None else gathers[c].wait()  # (N_c, d)
             gathered[c] = xc if x_serial is None and self._keep_for_metrics() else None
-            gx = self._chunk(xc, positions[c].to(device), active, groups, gw_sum, need_gx, need_gw, total)
+            gx = self._chunk(xc, positions[c].to(device), active, groups, norms, gw_sum, need_gx, need_gw, total)
             if need_gx:
                 pending.append((c, PendingReduceScatter(gx, per_chunk[c], head.rank, self.comm_group, tl,
                                                         blocking=blocking)))
@@ -196,6 +197,9 @@ class ChunkedHeadSchedule:
             backward(0, whole, grad.to(whole.dtype), True)
 
         if need_gw:
+            for (_, _, w), rw, gw in zip(groups, norms, gw_sum):
+                if gw is not None:
+                    finish_weight_grad(gw, w, rw, head.loss_fn)
             self._deliver_weight_grad(groups, gw_sum, weight_grad_scale / max(n, 1))
         if self._keep_for_metrics():
             if x_serial is None:
@@ -206,33 +210,34 @@ class ChunkedHeadSchedule:
             tl.end_step()
         return loss
 
-    def _chunk(self, xc, pos, active, groups, gw_sum, need_gx, need_gw, total):
-        """Loss rows and gradients of one chunk; returns the chunk's embedding gradient (N_c, d) (row sums)."""
+    def _chunk(self, xc, pos, active, groups, norms, gw_sum, need_gx, need_gw, total):
+        """Loss rows and gradients of one chunk; returns the chunk's embedding gradient (N_c, d) (row sums).
+        The active rows' gradients accumulate in ``gw_sum`` (one (K, d) buffer per group)."""
         head = self.head
         targets = active.targets[pos]  # (N_c,)
-        if len(groups) == 1:
-            rows_total, gx, gw = fused_loss_and_grads(xc, groups[0][2], targets, head.loss_fn, head.group,
-                                                      head.chunk_size, need_gx, need_gw)
-            total += rows_total.to(total.dtype)
-            if need_gw:
-                gw_sum[0] = gw if gw_sum[0] is None else gw_sum[0].add_(gw)
-            return gx
         gx_all = None
-        pos_host = pos.cpu()
         for g, (rows, _, w) in enumerate(groups):
-            sel = ((pos_host >= rows.start) & (pos_host < rows.stop)).nonzero().squeeze(1)  # host: same on all ranks
-            if sel.numel() == 0:
-                continue
-            sel_d = sel.to(xc.device)
-            rows_total, gx, gw = fused_loss_and_grads(xc[sel_d], w, targets[sel_d], head.loss_fn, head.group,
-                                                      head.chunk_size, need_gx, need_gw)
+            if len(groups) == 1:
+                sel = None
+                xs, ts = xc, targets
+            else:
+                pos_host = pos.cpu()
+                sel = ((pos_host >= rows.start) & (pos_host < rows.stop)).nonzero().squeeze(1)  # same on all ranks
+                if sel.numel() == 0:
+                    continue
+                sel = sel.to(xc.device)
+                xs, ts = xc[sel], targets[sel]
+            rows_total, gx, gw = fused_loss_and_grads(xs, w, ts, head.loss_fn, head.group, head.chunk_size,
+                                                      need_gx, need_gw, rw=norms[g], gw=gw_sum[g],
+                                                      accumulate=gw_sum[g] is not None, finish=False)
             total += rows_total.to(total.dtype)
-            if need_gw:
-                gw_sum[g] = gw if gw_sum[g] is None else gw_sum[g].add_(gw)
-            if need_gx:
+            gw_sum[g] = gw
+            if sel is None:
+                gx_all = gx
+            elif need_gx:
                 if gx_all is None:
                     gx_all = gx.new_zeros((xc.shape[0], xc.shape[1]))
-                gx_all[sel_d] = gx
+                gx_all[sel] = gx
         return gx_all
 
     def _backward_chunk(self, c, rs, embeds, backward, inv_local, last_local) -> None:
@@ -242,17 +247,22 @@ class ChunkedHeadSchedule:
             backward(c, emb, grad.to(emb.dtype), c == last_local)
 
     def _deliver_weight_grad(self, groups, gw_sum, scale: float) -> None:
-        """Hand the active rows' gradients to the weight through autograd, as the serial path does
-        (dense .grad, or a sparse row gradient with lazy updates; accumulates like backward)."""
+        """Hand the active rows' gradients to the weight as the serial path's backward would: a dense
+        ``.grad`` (the accumulator itself becomes it, no (L, d) copy) or, for an active subset, through
+        autograd (dense rows or a sparse row gradient with lazy updates). Accumulates like backward."""
         head = self.head
+        weight = head.weight
         for (rows, index, w), gw in zip(groups, gw_sum):
             if gw is None:
                 gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-            g = (gw * scale).to(head.weight.dtype)
+            g = gw.mul_(scale) if gw.dtype == weight.dtype else (gw * scale).to(weight.dtype)
             if index is None:
-                head.weight.backward(g)
+                if weight.grad is None:
+                    weight.grad = g
+                else:
+                    weight.grad.add_(g)
             else:
-                F.embedding(index, head.weight, sparse=head.update == "lazy").backward(g)
+                F.embedding(index, weight, sparse=head.update == "lazy").backward(g)
 
     def _keep_for_metrics(self) -> bool:
         cfg, sampler = self.head.sampler_config, self.head.sampler
