@@ -70,3 +70,34 @@ def test_refused_settings_name_their_keys(key, value, stage, bf16):
                           bf16=bf16)
     with pytest.raises(ds_xc.ConfigError, match=f"overlap.{key}=true"):
         check_supported(cfg)
+
+
+def _compressed_steps(rank, world, overlap):
+    body = _backbone()
+    cfg = _config(0, 2)
+    cfg["gradient_compression"] = {"method": "topk", "density": 0.3, "min_numel": 1, "warmup_steps": 1}
+    if overlap:
+        cfg["extreme_classification"]["overlap"] = {"enabled": True, "num_chunks": 2, "bucket_size_mb": 1e-5}
+    xc = ds_xc.initialize(model=body, optimizer=torch.optim.SGD(body.parameters(), lr=LR_BODY), config=cfg)
+    losses = []
+    for micro in range(6):  # 3 optimizer steps: one dense warm-up, two compressed
+        x, y = _batch(micro, rank)
+        losses.append(xc.forward_backward(x, y).item())
+        xc.step()
+    return {"a": xc.engine.module.weight.detach().clone(), "w": xc.head.weight.detach().clone(), "losses": losses,
+            "compressed": xc.compression.stats()["compressed_steps"],
+            "residual": xc.compression._buffers["residual"].clone()}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_overlap_with_gradient_compression_equals_serial(pools, world):
+    """The compressed reduction from hooks inside the engine == the wrapper's step() reduction."""
+    serial = pools(world).run(_compressed_steps, False)
+    overlapped = pools(world).run(_compressed_steps, True)
+    for s, o in zip(serial, overlapped):
+        assert s["compressed"] == o["compressed"] == 2
+        assert s["losses"] == pytest.approx(o["losses"], rel=1e-6)
+        torch.testing.assert_close(o["a"], s["a"], rtol=1e-5, atol=1e-6)  # float32, other summation order
+        torch.testing.assert_close(o["w"], s["w"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(o["residual"], s["residual"], rtol=1e-4, atol=1e-5)
+        assert s["residual"].abs().sum() > 0

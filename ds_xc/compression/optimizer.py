@@ -112,6 +112,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.counter = WireCounter()
         self._step = 0
         self._resync = False  # set when the global density strayed: sync statistics next step
+        self._reduced_by_hooks = False  # an overlapped reducer did this step's reduction
         self._tally = dict(compressed_steps=0, sent=0, offered=0, global_sent=0, global_offered=0, dense_bytes=0)
         self._last: dict = {}
         numel_bytes = sum(p.numel() * p.element_size() for p in self._params)
@@ -161,14 +162,26 @@ class CompressedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def step(self, closure=None):
-        """Reduce the gradients (compressed mean over the group), then step the wrapped optimizer."""
+        """Reduce the gradients (compressed mean over the group), then step the wrapped optimizer.
+
+        When an overlapped reducer (:meth:`overlapped_reducer`) already reduced this step's
+        gradients from backward hooks, only the wrapped optimizer steps."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.reduce_gradients()
+        if self._reduced_by_hooks:
+            self._reduced_by_hooks = False
+        else:
+            self.reduce_gradients()
         self.inner.step()
         return loss
+
+    def overlapped_reducer(self, timeline=None, bucket_bytes: int = 4 << 20, comm_group=None):
+        """A reducer that runs this wrapper's compressed reduction in buckets from backward hooks
+        (ds_xc.overlap); its ``finish()`` leaves the same gradients and state as ``reduce_gradients()``."""
+        from ds_xc.compression.overlapped import OverlappedCompressedReducer
+        return OverlappedCompressedReducer(self, timeline=timeline, bucket_bytes=bucket_bytes, comm_group=comm_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
@@ -250,17 +263,23 @@ class CompressedOptimizer(torch.optim.Optimizer):
             buf = self._work[name] = torch.zeros(numel, dtype=torch.float32, device=device)
         return buf
 
-    def _accumulate(self, x: torch.Tensor) -> torch.Tensor:
-        """v = e + x (or e + (u = m u + x)), in the residual buffer; v = x without error feedback."""
+    def _accumulate(self, x: torch.Tensor, a: int = 0, b: Optional[int] = None) -> torch.Tensor:
+        """v = e + x (or e + (u = m u + x)), in the residual buffer; v = x without error feedback.
+
+        ``x`` is the region's (s,) gradient; only its positions [a, b) are accumulated (the
+        overlapped reducer's buckets; default all). Returns the whole region's v (s,)."""
         if "residual" not in self._buffers:
             return x
         lo, hi = self.layout.region
+        b = hi - lo if b is None else b
         e = self._buffers["residual"][lo:hi]
         if "momentum" in self._buffers:
             u = self._buffers["momentum"][lo:hi]
-            u.mul_(self.config.momentum_correction).add_(x)
-            return e.add_(u)
-        return e.add_(x)
+            u[a:b].mul_(self.config.momentum_correction).add_(x[a:b])
+            e[a:b].add_(u[a:b])
+            return e
+        e[a:b].add_(x[a:b])
+        return e
 
     def _feedback(self, v: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> None:
         """e = v - sent (exact: what the rounding to value_dtype lost stays); u = 0 where sent."""
@@ -272,10 +291,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
             lo, hi = self.layout.region
             self._buffers["momentum"][lo:hi].index_fill_(0, idx, 0.0)
 
-    def _select(self, v: torch.Tensor) -> torch.Tensor:
+    def _select(self, v: torch.Tensor, segments=None) -> torch.Tensor:
+        """Sorted region positions to send, per segment (``segments``: a subset, default all)."""
         comp, seed = self.compressor, self.config.seed
         parts = []
-        for seg in self.layout.segments:
+        for seg in (self.layout.segments if segments is None else segments):
             sv = v[seg.start: seg.end]
             gen = _generator(_mix(seed, self._step, seg.index, self._seed_rank), v.device) if comp.uses_stats else None
             shared = _generator(_mix(seed, self._step, seg.index, -1), v.device) if comp.shared_indices else None
@@ -295,9 +315,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
             return True
         return any("tau" not in self.state[self._params[s.index]] for s in self.layout.segments)
 
-    def _sync_stats(self, v: torch.Tensor) -> None:
-        """All-reduce the per-tensor max |v|, then the log-histograms; set each tensor's threshold."""
-        comp, segs, comm = self.compressor, self.layout.segments, self.comm_group
+    def _sync_stats(self, v: torch.Tensor, segments=None, comm=None) -> None:
+        """All-reduce the per-tensor max |v|, then the log-histograms; set each tensor's threshold.
+
+        Element-wise over segments, with one random stream per segment, so syncing a subset
+        (the overlapped reducer's buckets, ``segments``) gives the same thresholds."""
+        comp = self.compressor
+        segs = self.layout.segments if segments is None else segments
+        comm = self.comm_group if comm is None else comm
         if not segs and not is_distributed(comm):
             return
         world = group_size(comm)
@@ -306,9 +331,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if is_distributed(comm):
             dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=comm)
         tops = [math.ceil(math.log2(m)) if m > 0 else -math.inf for m in maxes.tolist()]
-        gen = _generator(_mix(self.config.seed, self._step, -2, self._seed_rank), v.device)
-        hists = torch.stack([comp.local_histogram(v[s.start: s.end], top, gen) for s, top in zip(segs, tops)]
-                            or [torch.zeros(self.config.bins, device=v.device)])  # (S, B)
+        hists = torch.stack([comp.local_histogram(v[s.start: s.end], top, _generator(
+            _mix(self.config.seed, self._step, -2, s.index, self._seed_rank), v.device)) for s, top in zip(segs, tops)]
+            or [torch.zeros(self.config.bins, device=v.device)])  # (S, B)
         if is_distributed(comm):
             dist.all_reduce(hists, op=dist.ReduceOp.SUM, group=comm)
             nbytes = allreduce_bytes(maxes.numel() * 4, world) + allreduce_bytes(hist_bytes, world)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from ds_xc.parallel.collectives import gather_flat, reduce_scatter_flat
 from ds_xc.parallel.groups import group_rank, group_size, is_distributed
 
-__all__ = ["BLOCK", "WireCounter", "sparse_allgather_mean", "values_allreduce_mean", "dense_allreduce_mean_",
+__all__ = ["BLOCK", "WireCounter", "sparse_allgather_mean", "start_sparse_allgather_mean", "PendingSparseMean", "values_allreduce_mean", "dense_allreduce_mean_",
            "NodeGroups", "build_node_groups", "reduce_scatter_sum", "all_gather_slices", "DTYPES"]
 
 BLOCK_BITS = 16
@@ -85,11 +85,53 @@ def sparse_allgather_mean(idx: torch.Tensor, vals: torch.Tensor, n: int, group, 
     mean (in ``out`` when given: a reused (n,) float32 buffer saves the page faults of a
     fresh one every step) and the (P,) int64 pair counts of all ranks.
     """
+    return start_sparse_allgather_mean(idx, vals, n, group, value_dtype, counter, intra, out).wait()
+
+
+class PendingSparseMean:
+    """A sparse all-gather whose payload may still be in flight; :meth:`wait` decodes the mean."""
+
+    def __init__(self, acc, counts, headers=None, rows=None, m_max=0, value_dtype=None, work=None, nbytes=0,
+                 counter=None, intra=False):
+        self.acc, self.counts, self.headers, self.rows = acc, counts, headers, rows
+        self.m_max, self.value_dtype, self.work = m_max, value_dtype, work
+        self.nbytes, self.counter, self.intra = nbytes, counter, intra
+
+    def wait(self, timeline=None):
+        """(dense (n,) float32 mean, (P,) int64 counts); waits for the payload, then decodes."""
+        if self.work is not None:
+            if timeline is not None:
+                timeline.wait(self.work, "grad_reduce")
+            else:
+                self.work.wait()
+            self.work = None
+        if self.rows is not None:
+            world = self.headers.shape[0]
+            rows = self.rows.view(world, -1)  # (P, row)
+            vbytes = torch.empty((), dtype=self.value_dtype).element_size()
+            for r in range(world):  # rank order: the same sum on every rank
+                m = int(self.counts[r])
+                offs = rows[r, : 2 * self.m_max].view(torch.int16)[:m]
+                vs = rows[r, 2 * self.m_max: 2 * self.m_max + vbytes * m].view(self.value_dtype)
+                _decode_into(self.acc, self.headers[r], offs, vs)
+            self.acc.div_(world)
+            self.rows = None
+        if self.counter is not None:
+            self.counter.add(self.nbytes, self.nbytes, self.intra)
+            self.counter = None
+        return self.acc, self.counts
+
+
+def start_sparse_allgather_mean(idx: torch.Tensor, vals: torch.Tensor, n: int, group, value_dtype: torch.dtype,
+                                counter: WireCounter, intra: bool = False, out: Optional[torch.Tensor] = None,
+                                async_op: bool = False) -> PendingSparseMean:
+    """:func:`sparse_allgather_mean` in two halves: the headers are exchanged now (small, blocking:
+    they size the payload), the payload all-gather is issued (``async_op``: left in flight)."""
     header, offsets, values = _encode(idx, vals, n, value_dtype)
     acc = out.zero_() if out is not None else torch.zeros(n, dtype=torch.float32, device=vals.device)
     if not is_distributed(group):
         _decode_into(acc, header, offsets, values)
-        return acc, torch.tensor([idx.numel()], dtype=torch.int64)
+        return PendingSparseMean(acc, torch.tensor([idx.numel()], dtype=torch.int64))
     world, vbytes = group_size(group), values.element_size()
     headers = torch.empty(world * header.numel(), dtype=torch.int32, device=header.device)
     gather_flat(headers, header, group=group)
@@ -98,24 +140,16 @@ def sparse_allgather_mean(idx: torch.Tensor, vals: torch.Tensor, n: int, group, 
     m_max = int(counts.max())
     m_max += m_max % 2  # keeps the value region 4-byte aligned
     if m_max == 0:  # nobody sent anything: the headers were the whole message
-        counter.add((world - 1) * header.numel() * 4, (world - 1) * header.numel() * 4, intra)
-        return acc, counts
+        nbytes = (world - 1) * header.numel() * 4
+        return PendingSparseMean(acc, counts, nbytes=nbytes, counter=counter, intra=intra)
     row = m_max * (2 + vbytes)
     payload = torch.zeros(row, dtype=torch.uint8, device=vals.device)  # [offsets | values], padded
     payload[: 2 * idx.numel()] = offsets.view(torch.uint8)
     payload[2 * m_max: 2 * m_max + vbytes * idx.numel()] = values.view(torch.uint8)
     rows = torch.empty(world * row, dtype=torch.uint8, device=vals.device)
-    gather_flat(rows, payload, group=group)
-    rows = rows.view(world, row)  # (P, row)
-    for r in range(world):  # rank order: the same sum on every rank
-        m = int(counts[r])
-        offs = rows[r, : 2 * m_max].view(torch.int16)[:m]
-        vs = rows[r, 2 * m_max:].view(value_dtype)[:m]
-        _decode_into(acc, headers[r], offs, vs)
-    acc.div_(world)
-    block = header.numel() * 4 + row
-    counter.add((world - 1) * block, (world - 1) * block, intra)
-    return acc, counts
+    work = gather_flat(rows, payload, group=group, async_op=async_op)
+    nbytes = (world - 1) * (header.numel() * 4 + row)
+    return PendingSparseMean(acc, counts, headers, rows, m_max, value_dtype, work, nbytes, counter, intra)
 
 
 def values_allreduce_mean(vals: torch.Tensor, group, value_dtype: torch.dtype, counter: WireCounter,
