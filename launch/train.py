@@ -150,8 +150,7 @@ def main(argv=None) -> dict:
         for m in range(gas):
             x, y = data.train_batch(step * gas + m, micro, rank, world)
             x, y = x.to(xc.engine.device), y.to(xc.engine.device)
-            loss = xc(x.to(cast) if cast else x, y)
-            xc.backward(loss)
+            loss = xc.forward_backward(x.to(cast) if cast else x, y)  # overlapped when configured
             xc.step()
         samples += micro * gas * world
         done = step + 1
@@ -163,6 +162,7 @@ def main(argv=None) -> dict:
             if monitor is not None:
                 stats = [(f"Sampler/{k}", float(v), done) for k, v in xc.head.sampler_stats().items()]
                 stats += [(f"Compression/{k}", float(v), done) for k, v in compression_stats().items()]
+                stats += [(f"Overlap/{k}", float(v), done) for k, v in xc.overlap_stats().get("last", {}).items()]
                 monitor.write_events([("Train/loss", loss.item(), done), ("Train/samples_per_s", rate, done)]
                                      + stats)
         if bar is not None:
@@ -188,7 +188,7 @@ def main(argv=None) -> dict:
                "top1": ev["top1"], "top5": ev["top5"], "eval_samples": ev["samples"],
                "final_loss": final_loss, "seconds": elapsed, "world_size": world,
                "evals": history, "sampler_stats": xc.head.sampler_stats(),
-               "compression_stats": compression_stats()}
+               "compression_stats": compression_stats(), "overlap_stats": xc.overlap_stats().get("mean", {})}
     if args.summary_json and rank == 0:
         with open(args.summary_json, "w") as fh:
             json.dump(summary, fh, indent=1)
@@ -200,6 +200,11 @@ def main(argv=None) -> dict:
         say(f"gradient compression ({xcfg.gradient_compression.method}): density {comp.get('density', 0):.4f}, "
             f"{comp.get('bytes_sent', 0) / 2**20:.1f} MiB sent by rank 0 "
             f"({comp.get('bytes_sent', 0) / max(comp.get('dense_bytes', 0), 1):.4f} of a dense all-reduce)")
+    ov = summary["overlap_stats"]
+    if ov:
+        say(f"overlap pipeline ({hcfg.overlap.num_chunks} chunks): per micro-step {ov['step_s'] * 1e3:.1f} ms, of "
+            f"which communication exposed {ov['exposed_s'] * 1e3:.1f} ms ({ov['issued']:.0f} collectives, "
+            f"{ov['issued_mb']:.2f} MiB issued)")
     dist.barrier()
     dist.destroy_process_group()
     return summary
