@@ -139,7 +139,7 @@ def test_eval_batch_ranges_cover_global_blocks():
 
 
 def test_registry():
-    assert DATASETS == {"synthetic": SyntheticDataset, "text": TextDataset}
+    assert DATASETS["synthetic"] is SyntheticDataset and DATASETS["text"] is TextDataset
     ds = build_dataset("synthetic", 50, seed=2, input_dim=8)
     assert isinstance(ds, XCDataset) and ds.seed == 2 and ds.input_dim == 8
     with pytest.raises(ValueError, match=r"name='imagenet'.*synthetic.*text"):

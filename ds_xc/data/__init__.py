@@ -1,4 +1,5 @@
-"""Built-in data sets: synthetic (any number of classes) and text (stdlib next word).
+"""Built-in data sets: synthetic (any number of classes), text (stdlib next word) and
+corpus (next word or word pair over Debian's dictionary and documentation).
 
 ``build_dataset(name, num_classes, seed=0, **kwargs)`` builds one by registry name;
 every data set implements ``XCDataset`` (see base.py for the resume contract).
@@ -7,10 +8,12 @@ every data set implements ``XCDataset`` (see base.py for the resume contract).
 from __future__ import annotations
 
 from ds_xc.data.base import XCDataset
+from ds_xc.data.corpus import CorpusDataset
 from ds_xc.data.synthetic import SyntheticDataset
 from ds_xc.data.text import TextDataset
 
-DATASETS: dict[str, type[XCDataset]] = {"synthetic": SyntheticDataset, "text": TextDataset}
+DATASETS: dict[str, type[XCDataset]] = {
+    "synthetic": SyntheticDataset, "text": TextDataset, "corpus": CorpusDataset}
 
 
 def build_dataset(name: str, num_classes: int, seed: int = 0, **kwargs) -> XCDataset:
@@ -20,4 +23,4 @@ def build_dataset(name: str, num_classes: int, seed: int = 0, **kwargs) -> XCDat
     return DATASETS[name](num_classes, seed=seed, **kwargs)
 
 
-__all__ = ["DATASETS", "SyntheticDataset", "TextDataset", "XCDataset", "build_dataset"]
+__all__ = ["DATASETS", "CorpusDataset", "SyntheticDataset", "TextDataset", "XCDataset", "build_dataset"]
