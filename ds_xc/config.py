@@ -244,15 +244,32 @@ class HeadConfig(_Section):
 # --------------------------------------------------------------------------- training job
 class TrainConfig(_Section):
     """Section ``xc_train``: the built-in job of ``launch/train.py`` (flags override it)."""
-    data: Literal["text", "synthetic"] = Field("text", description="Built-in data set.")
+    data: Literal["text", "synthetic", "corpus"] = Field(
+        "text", description="Built-in data set (docs/data.md); corpus fetches Debian packages on first use.")
     max_steps: int = Field(300, ge=1, description="Optimizer steps to train.")
     eval_every: int = Field(100, ge=0, description="Held-out evaluation every N steps (0 = only at the end).")
     eval_samples: int = Field(4096, ge=1, description="Held-out samples per evaluation (at most).")
     log_every: int = Field(10, ge=1, description="Steps between progress and monitor updates.")
     save_every: int = Field(0, ge=0, description="Checkpoint every N steps (0 = only at the end, if save_dir).")
     hidden_dim: int = Field(256, ge=1, description="Hidden width of the built-in backbone.")
-    context: int = Field(4, ge=1, le=64, description="Previous words used as input (text data).")
+    context: int = Field(4, ge=1, le=64, description="Previous words used as input (text and corpus data).")
+    corpus_mode: Literal["word", "bigram"] = Field(
+        "word", description="corpus data: the label is the next word (num_classes = vocabulary size, "
+        "useful from 1e4 to 2.5e5) or the pair of the next two words (num_classes pair classes, "
+        "about 2.8e6 exist).")
+    corpus_vocab_size: int = Field(0, ge=0, le=250_000, description="corpus data, bigram mode: input word "
+                                   "vocabulary, 1e4 to 2.5e5; 0 = 100000. Must be 0 in word mode (the "
+                                   "vocabulary is extreme_classification.num_classes).")
     seed: int = Field(0, ge=0, description="Seed of the backbone init and the data order.")
+
+    @model_validator(mode="after")
+    def _check_corpus(self):
+        if self.corpus_vocab_size and self.corpus_vocab_size < 10_000:
+            raise ValueError(f"corpus_vocab_size={self.corpus_vocab_size} must be 0 or in [10000, 250000]")
+        if self.corpus_vocab_size and self.corpus_mode == "word":
+            raise ValueError(f"corpus_vocab_size={self.corpus_vocab_size} applies to corpus_mode='bigram' "
+                             "only: in word mode the vocabulary is extreme_classification.num_classes; use 0")
+        return self
 
 
 class XCConfig(BaseModel):

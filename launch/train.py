@@ -35,7 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--deepspeed_config", default=DEFAULT_CONFIG, help="DeepSpeed JSON with ds_xc sections")
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     p.add_argument("--max_steps", type=int, help="override xc_train.max_steps")
-    p.add_argument("--data", choices=["text", "synthetic"], help="override xc_train.data")
+    p.add_argument("--data", choices=["text", "synthetic", "corpus"], help="override xc_train.data")
     p.add_argument("--num_classes", type=int, help="override extreme_classification.num_classes")
     p.add_argument("--eval_every", type=int, help="override xc_train.eval_every (0: only at the end)")
     p.add_argument("--save_dir", help="checkpoint folder (saved at the end and every xc_train.save_every)")
@@ -96,11 +96,14 @@ def main(argv=None) -> dict:
     raw = build_config(args)
     xcfg = ds_xc.parse_config(raw)
     tcfg, hcfg = xcfg.xc_train, xcfg.extreme_classification
-    if tcfg.data == "text":
-        say("preparing the text data set (tokenising the Python standard library, cached afterwards)...")
+    if tcfg.data in ("text", "corpus"):
+        say(f"preparing the {tcfg.data} data set (tokenising, cached afterwards; corpus fetches "
+            "Debian packages the first time)...")
     if rank != 0:
         dist.barrier()  # rank 0 builds any cache first
-    data_kwargs = {"context": tcfg.context} if tcfg.data == "text" else {}
+    data_kwargs = {"context": tcfg.context} if tcfg.data in ("text", "corpus") else {}
+    if tcfg.data == "corpus":
+        data_kwargs.update(mode=tcfg.corpus_mode, vocab_size=tcfg.corpus_vocab_size or None)
     data = build_dataset(tcfg.data, hcfg.num_classes, seed=tcfg.seed, **data_kwargs)
     if rank == 0:
         dist.barrier()
