@@ -1,4 +1,9 @@
-"""Class-parallel held-out evaluation: top-k accuracy over ALL classes.
+"""Held-out evaluation: class-parallel top-k accuracy over ALL classes, and verification.
+
+Verification (:func:`verification`) is how face recognition is scored and how the glyphs
+task is: embed images of designs never trained on, then TAR (true accept rate) at a
+fixed FAR (false accept rate) over genuine pairs (same class, different designs) and
+impostor pairs (different classes), cosine similarity.
 
 Every rank runs the backbone on its own share of each held-out batch, the head merges
 the per-shard top-k (ClassParallelHead.topk), and hit counts are summed over the group.
@@ -6,14 +11,16 @@ Every rank must iterate the same number of batches (the built-in data sets guara
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from ds_xc.parallel.groups import is_distributed
 
-__all__ = ["evaluate_topk"]
+__all__ = ["evaluate_topk", "tar_at_far", "verification"]
 
 
 @torch.no_grad()
@@ -38,4 +45,61 @@ def evaluate_topk(embed: Callable[[torch.Tensor], torch.Tensor], head, batches: 
     n = max(hits[-1].item(), 1.0)
     out = {f"top{k}": hits[i].item() / n for i, k in enumerate(ks)}
     out["samples"] = int(hits[-1].item())
+    return out
+
+
+def tar_at_far(genuine: torch.Tensor, impostor: torch.Tensor, fars: Sequence[float] = (1e-3, 1e-4)) -> dict:
+    """{"tar@far=F": TAR, "thr@far=F": threshold} per F: the threshold is the ceil(F * n)-th
+    highest of the n impostor scores (so at most that many impostors are accepted), TAR the
+    share of genuine scores strictly above it. FARs below 1/n are refused (not resolvable)."""
+    n = impostor.numel()
+    if n == 0 or genuine.numel() == 0:
+        raise ValueError(f"need genuine and impostor scores, got {genuine.numel()} and {n}")
+    top = torch.sort(impostor.flatten().double(), descending=True).values
+    out = {}
+    for far in fars:
+        if not 0.0 < far < 1.0 or far * n < 1.0:
+            raise ValueError(f"far={far} is invalid: must be in [1/{n}, 1) for {n} impostor pairs")
+        k = math.ceil(far * n)
+        thr = top[k - 1].item()
+        out[f"tar@far={far:g}"] = (genuine.double() > thr).double().mean().item()
+        out[f"thr@far={far:g}"] = thr
+    return out
+
+
+@torch.no_grad()
+def verification(embed: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor, labels: torch.Tensor,
+                 designs: torch.Tensor, fars: Sequence[float] = (1e-3, 1e-4), num_impostor: int = 1_000_000,
+                 batch_size: int = 512, seed: int = 0, device=None) -> dict:
+    """TAR at each FAR over cosine similarities of ``embed(images)`` (one process, no collectives).
+
+    Genuine pairs: every pair of images with the same label and different designs.
+    Impostor pairs: ``num_impostor`` random pairs with different labels (fixed ``seed``).
+    Returns tar_at_far's dict plus pair counts.
+    """
+    emb = torch.cat([F.normalize(embed(images[a: a + batch_size].to(device) if device else
+                                       images[a: a + batch_size]).float(), dim=1).cpu()
+                     for a in range(0, images.shape[0], batch_size)])  # (M, d)
+    order = torch.argsort(labels * (int(designs.max()) + 1) + designs, stable=True)
+    gi, gj = [], []
+    lab = labels[order]
+    bounds = torch.nonzero(torch.diff(lab, prepend=lab[:1] - 1)).squeeze(1).tolist() + [lab.numel()]
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        idx = order[a:b]
+        ii, jj = torch.triu_indices(idx.numel(), idx.numel(), offset=1)
+        keep = designs[idx[ii]] != designs[idx[jj]]
+        gi.append(idx[ii[keep]])
+        gj.append(idx[jj[keep]])
+    gi, gj = torch.cat(gi), torch.cat(gj)
+    gen = torch.Generator().manual_seed(seed)
+    m = labels.numel()
+    ii = torch.randint(m, (num_impostor,), generator=gen)
+    jj = torch.randint(m, (num_impostor,), generator=gen)
+    keep = labels[ii] != labels[jj]
+    ii, jj = ii[keep], jj[keep]
+    genuine = (emb[gi] * emb[gj]).sum(1)
+    impostor = torch.cat([(emb[ii[a: a + 65536]] * emb[jj[a: a + 65536]]).sum(1)
+                          for a in range(0, ii.numel(), 65536)])
+    out = tar_at_far(genuine, impostor, fars)
+    out.update(genuine_pairs=int(genuine.numel()), impostor_pairs=int(impostor.numel()))
     return out

@@ -2,7 +2,8 @@
 
 ds_xc does not own the user's backbone; these exist so that the launcher, tests and
 benchmarks have something to train. ``build_backbone`` picks one from the data set's
-``input_kind``; both map inputs (B, ...) to embeddings (B, embedding_dim) float32.
+``input_kind`` (dense, tokens, image); each maps inputs (B, ...) to embeddings
+(B, embedding_dim) float32.
 """
 
 from __future__ import annotations
@@ -64,10 +65,50 @@ class TokenBackbone(nn.Module):
         return self.mlp(h_BKH.flatten(1))
 
 
+def _conv_block(cin: int, cout: int) -> nn.Sequential:
+    """Two 3x3 conv + BatchNorm + ReLU, then a 2x2 max-pool: (B, cin, H, W) -> (B, cout, H/2, W/2)."""
+    return nn.Sequential(
+        nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True),
+        nn.Conv2d(cout, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True),
+        nn.MaxPool2d(2),
+    )
+
+
+class ImageBackbone(nn.Module):
+    """A small CNN for image inputs, shaped like face-recognition heads' backbones.
+
+    Three conv blocks of width w, 2w, 4w (w = hidden_dim // 16, at least 8) halve the
+    image three times; then BatchNorm, flatten, dropout-free linear to the embedding and
+    a final BatchNorm1d (the "BN-FC-BN" output of ArcFace's backbones).
+
+    (B, C, H, W) float -> (B, 4w, H/8, W/8) -> (B, embedding_dim)
+    """
+
+    def __init__(self, input_shape: tuple, embedding_dim: int, hidden_dim: int = 256) -> None:
+        super().__init__()
+        channels, height, width = input_shape
+        if height % 8 or width % 8:
+            raise ValueError(f"input_shape={tuple(input_shape)} is invalid: height and width must be multiples of 8")
+        w = max(8, hidden_dim // 16)
+        self.features = nn.Sequential(_conv_block(channels, w), _conv_block(w, 2 * w), _conv_block(2 * w, 4 * w),
+                                      nn.BatchNorm2d(4 * w))
+        self.fc = nn.Linear(4 * w * (height // 8) * (width // 8), embedding_dim)
+        self.bn = nn.BatchNorm1d(embedding_dim)
+        self.input_shape = tuple(input_shape)
+
+    def forward(self, x_BCHW: Tensor) -> Tensor:
+        if tuple(x_BCHW.shape[1:]) != self.input_shape:
+            raise ValueError(f"image batch shape {tuple(x_BCHW.shape)} is invalid: expected (B, "
+                             f"{', '.join(map(str, self.input_shape))})")
+        h = self.features(x_BCHW.float())  # (B, 4w, H/8, W/8)
+        return self.bn(self.fc(h.flatten(1)))
+
+
 # input_kind -> constructor from (dataset, embedding_dim, hidden_dim)
 BACKBONES = {
     "dense": lambda ds, emb, hid: DenseBackbone(ds.input_dim, emb, hid),
     "tokens": lambda ds, emb, hid: TokenBackbone(ds.input_dim, ds.context, emb, hid),
+    "image": lambda ds, emb, hid: ImageBackbone(ds.input_shape, emb, hid),
 }
 
 
