@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 from typing import Optional
 
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 __all__ = ["save_head_state", "load_head_state", "check_head_checkpoint", "shard_file", "atomic_save",
            "read_meta", "write_meta", "load_file", "load_shard", "ShardRows", "CheckpointError",
            "load_exported_head", "load_exported_into_head", "read_export_index", "file_sha256",
-           "resolve_tag", "EXPORT_FORMAT", "EXPORT_INDEX"]
+           "resolve_tag", "EXPORT_FORMAT", "EXPORT_INDEX", "fsync_tree", "publish_tag", "write_latest"]
 
 HEAD_DIR = "ds_xc_head"
 META_FILE = "meta.json"
@@ -76,7 +77,62 @@ def _atomic_json(obj, path: str) -> None:
     tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.tmp")
     with open(tmp, "w") as fh:
         json.dump(obj, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
     os.replace(tmp, path)
+
+
+def _fsync_dir(folder: str) -> None:
+    """Make a rename inside ``folder`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder: str) -> None:
+    """fsync every file and folder under ``folder`` (DeepSpeed writes its files without it)."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as fh:
+                os.fsync(fh.fileno())
+        _fsync_dir(root)
+
+
+def write_latest(save_dir: str, tag: str) -> None:
+    """Point ``save_dir/latest`` at ``tag`` atomically (write a temporary file, fsync, rename)."""
+    tmp = os.path.join(save_dir, ".latest.tmp")
+    with open(tmp, "w") as fh:
+        fh.write(tag)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, os.path.join(save_dir, "latest"))
+    _fsync_dir(save_dir)
+
+
+def publish_tag(save_dir: str, tag: str, staging: str) -> str:
+    """Rename the complete folder ``staging`` to ``save_dir/tag``, then move ``latest`` to it.
+
+    A folder already named ``tag`` is moved aside to ``.old_<tag>`` for the moment between the
+    two renames and removed afterwards (:func:`resolve_tag` puts it back if a crash hits that
+    moment). Call on one process, after every rank has finished writing into ``staging``.
+    """
+    final, old = os.path.join(save_dir, tag), os.path.join(save_dir, f".old_{tag}")
+    if os.path.isdir(old):
+        shutil.rmtree(old)
+    if os.path.isdir(final):
+        os.replace(final, old)
+    os.replace(staging, final)
+    _fsync_dir(save_dir)
+    write_latest(save_dir, tag)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
 
 
 def write_meta(tag_dir: str, num_classes: int, world_size: int, embedding_dim: int) -> str:
@@ -112,6 +168,10 @@ def resolve_tag(load_dir: str, tag: Optional[str] = None) -> str:
             raise FileNotFoundError(f"{latest!r} does not exist: name a tag (one of {tags})")
         with open(latest) as fh:
             tag = fh.read().strip()
+    old = os.path.join(load_dir, f".old_{tag}")
+    if not os.path.isdir(os.path.join(load_dir, tag)) and os.path.isdir(old):
+        os.replace(old, os.path.join(load_dir, tag))  # a re-save of this tag was killed between its renames
+        log.warning("restored %s from %s (a save of the same tag was interrupted)", tag, old)
     if not os.path.isdir(os.path.join(load_dir, tag)):
         raise FileNotFoundError(f"tag {tag!r}: {os.path.join(load_dir, tag)!r} is not a folder")
     return tag

@@ -235,8 +235,12 @@ class HeadConfig(_Section):
     init_std: float = Field(0.01, gt=0.0, le=10.0, description="Std of the normal init of the weights.")
     seed: int = Field(0, ge=0, lt=2**63, description="Seed of the weight init (per class, independent "
                       "of the world size) and of the samplers.")
-    check_inputs: bool = Field(True, description="Check label ranges and finiteness before the step "
-                               "(one host sync on GPU).")
+    check_inputs: bool = Field(True, description="Check label ranges, embedding shapes and finiteness before "
+                               "the step, agreed by every rank (one small all-reduce; a host sync on GPU).")
+    nonfinite: Literal["skip", "raise"] = Field(
+        "skip", description="NaN/Inf in the embeddings, the loss or the gradients: skip = every rank skips the "
+        "optimizer step (head, backbone and their optimizer states unchanged), logs a warning and counts it "
+        "(XCEngine.stats()['skipped_steps']); raise = every rank raises FloatingPointError.")
     optimizer: HeadOptimizerConfig = Field(default_factory=HeadOptimizerConfig, description="Head optimizer.")
     overlap: OverlapConfig = Field(default_factory=OverlapConfig, description="Overlap pipeline.")
 
@@ -261,6 +265,9 @@ class TrainConfig(_Section):
                                    "vocabulary, 1e4 to 2.5e5; 0 = 100000. Must be 0 in word mode (the "
                                    "vocabulary is extreme_classification.num_classes).")
     seed: int = Field(0, ge=0, description="Seed of the backbone init and the data order.")
+    comm_timeout_s: float = Field(1800.0, ge=1.0, le=86400.0, description="Process-group timeout: a collective "
+                                  "that waits longer (a peer died or hangs) raises, and every surviving rank "
+                                  "exits naming the lost peer when it can.")
 
     @model_validator(mode="after")
     def _check_corpus(self):

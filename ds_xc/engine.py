@@ -14,21 +14,30 @@ scaling (fp16) would scale the head's gradient too, and is refused at start.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from dataclasses import dataclass
+import random
+import shutil
+import socket
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from ds_xc import config as cfg
-from ds_xc.checkpoint import check_head_checkpoint, load_head_state, save_head_state
+from ds_xc.checkpoint import (atomic_save, check_head_checkpoint, fsync_tree, load_file, load_head_state,
+                              publish_tag, resolve_tag, save_head_state)
 from ds_xc.head import ClassParallelHead, build_head_optimizer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["initialize", "init_distributed", "XCEngine", "check_supported", "load_raw_config"]
+__all__ = ["initialize", "init_distributed", "XCEngine", "check_supported", "load_raw_config", "gather_peers",
+           "lost_peers", "describe_comm_failure", "is_comm_failure"]
+
+RNG_DIR = "ds_xc_rng"
+STAGING_PREFIX = ".staging_"
 
 
 def load_raw_config(config=None, args=None) -> dict:
@@ -111,12 +120,30 @@ class XCEngine:
     compression: Any = None  # the CompressedOptimizer reducing the backbone, when configured
     schedule: Any = None  # ds_xc.overlap.ChunkedHeadSchedule, when extreme_classification.overlap.enabled
     grad_reducer: Any = None  # ds_xc.overlap.BucketedGradReducer, when overlap_grad_reduce is on
+    flag_group: Any = None  # a gloo group of the world for the per-step non-finite verdict (off the bucket traffic)
+    peers: list = field(default_factory=list)  # [(hostname, pid)] per world rank, to name a lost peer
+    skipped_steps: int = 0  # optimizer steps skipped for NaN/Inf (extreme_classification.nonfinite="skip")
+    _window_bad: bool = False  # a micro-step of the current accumulation window had a non-finite loss
 
     def __call__(self, inputs, labels, batch_sizes=None) -> torch.Tensor:
         return self.head(self.engine(inputs), labels, batch_sizes)
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.engine.backward(loss)
+        """engine.backward(loss), unless the loss is NaN/Inf: then no backward runs and the step is skipped.
+
+        The loss is the global-batch mean, the same value on every rank, so every rank takes this
+        decision alike without communicating (and nobody waits in DeepSpeed's gradient all-reduce)."""
+        if self._loss_is_finite(loss):
+            self.engine.backward(loss)
+
+    def _loss_is_finite(self, loss: torch.Tensor) -> bool:
+        if bool(torch.isfinite(loss.detach()).all()):
+            return True
+        if self.config.extreme_classification.nonfinite == "raise":
+            raise FloatingPointError(f"the loss is {float(loss.detach())} at step {self.global_steps} on every rank "
+                                     f"({cfg.HEAD_SECTION}.nonfinite='raise')")
+        self._window_bad = True
+        return False
 
     def forward_backward(self, inputs, labels, batch_sizes=None) -> torch.Tensor:
         """One micro-step's forward and backward; returns the global-batch mean loss (detached).
@@ -132,7 +159,9 @@ class XCEngine:
             self.backward(loss)
             return loss.detach()
         from ds_xc.overlap.run import overlapped_micro_step
-        return overlapped_micro_step(self, inputs, labels, batch_sizes)
+        loss = overlapped_micro_step(self, inputs, labels, batch_sizes)
+        self._loss_is_finite(loss)  # the chunks' backward may have run already: step() skips the update
+        return loss
 
     def overlap_stats(self) -> dict:
         """The overlap timeline: {"last": the last micro-step, "mean": means over all} (empty when off)."""
@@ -150,6 +179,9 @@ class XCEngine:
         are waited for and the engine steps.
         """
         boundary = self.engine.is_gradient_accumulation_boundary()
+        if boundary and self._step_is_bad():
+            self._skip_step()
+            return
         if boundary:
             head_cfg = self.config.extreme_classification.optimizer
             if head_cfg.lr_schedule == "follow_engine" and self.base_lr:
@@ -165,6 +197,64 @@ class XCEngine:
             from ds_xc.overlap.run import end_micro_step
             end_micro_step(self)
 
+    # ------------------------------------------------------------------ non-finite steps
+    def _grads_finite(self) -> bool:
+        """This rank's head gradient and local backbone gradients (where ``.grad`` holds them) are finite."""
+        grads = [self.head.weight.grad] + [p.grad for p in self.engine.module.parameters()]
+        for g in grads:
+            if g is None:
+                continue
+            values = g._values() if g.is_sparse else g
+            if not bool(torch.isfinite(values).all()):
+                return False
+        return True
+
+    def _step_is_bad(self) -> bool:
+        """Every rank's verdict on this accumulation window (non-finite loss or gradients), all-reduced."""
+        bad = self._window_bad or not self._grads_finite()
+        self._window_bad = False
+        flag = torch.tensor([1.0 if bad else 0.0])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.flag_group)
+        if not flag.item():
+            return False
+        if self.config.extreme_classification.nonfinite == "raise":
+            raise FloatingPointError(f"NaN/Inf gradients at step {self.global_steps} (on this rank: {bad}; "
+                                     f"{cfg.HEAD_SECTION}.nonfinite='raise')")
+        return True
+
+    def _skip_step(self) -> None:
+        """End the window without changing a weight or an optimizer state, on every rank alike.
+
+        The engine still steps (its counters, gradient clearing and wrappers' bookkeeping run as
+        usual) but its innermost optimizer's step is a no-op and its lr scheduler does not move,
+        as DeepSpeed does for an fp16 overflow. Buckets already in flight are completed first;
+        their error-feedback residuals (overlap + compression) held this step's gradients and
+        restart from zero.
+        """
+        reducer, comp = self.grad_reducer, self.compression
+        if reducer is not None and reducer.armed:
+            reducer.finish()  # every rank armed it: complete the collectives in flight
+            if comp is not None:
+                comp._restart_rank_state()
+        elif comp is not None:
+            comp._reduced_by_hooks = True  # skip its reduction: the residuals stay as they were
+        self.head_optimizer.zero_grad(set_to_none=True)
+        log.warning("step %d skipped: NaN/Inf loss or gradients on some rank (%s.nonfinite='skip'; %d skipped "
+                    "so far)", self.global_steps, cfg.HEAD_SECTION, self.skipped_steps + 1)
+        with _without_update(self.engine):
+            self.engine.step()
+        self.engine.skipped_steps += 1
+        self.skipped_steps += 1
+        if self.schedule is not None:
+            from ds_xc.overlap.run import end_micro_step
+            end_micro_step(self)
+
+    def stats(self) -> dict:
+        """Reliability counters: optimizer steps skipped for NaN/Inf, and micro-steps whose
+        embeddings were non-finite (this rank's head saw them)."""
+        return {"skipped_steps": self.skipped_steps, "nonfinite_inputs": self.head.nonfinite_inputs}
+
     def train(self, mode: bool = True) -> "XCEngine":
         self.engine.train(mode)
         self.head.train(mode)
@@ -178,41 +268,189 @@ class XCEngine:
         return int(self.engine.global_steps)
 
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None) -> str:
-        """Save the engine's checkpoint plus every rank's head shard and head optimizer.
+        """Save the engine's checkpoint plus every rank's head shard, residuals and RNG states.
 
-        The head shards are written first (atomically, one file per rank), then the engine
-        writes its files and moves ``latest`` last, so ``latest`` never points at a tag
-        whose head is missing.
+        Staged, so that a process killed at any point leaves the previous checkpoint and
+        ``latest`` as they were: every file goes into ``save_dir/.staging_<tag>`` (head shards,
+        compression residuals, RNG states, then DeepSpeed's files, with DeepSpeed told not to
+        touch ``latest``); after a barrier rank 0 fsyncs the files, renames the folder to
+        ``save_dir/<tag>`` and then replaces ``latest`` atomically (write, fsync, rename).
         """
-        tag = tag or f"global_step{self.global_steps}"
-        save_head_state(os.path.join(save_dir, str(tag)), self.head, self.head_optimizer)
+        tag = str(tag or f"global_step{self.global_steps}")
+        if not tag or os.sep in tag or tag.startswith(".") or tag == "latest":
+            raise ValueError(f"checkpoint tag {tag!r}: must be a plain folder name (no '/', not starting "
+                             "with '.', not 'latest')")
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        staging = os.path.join(save_dir, STAGING_PREFIX + tag)
+        if rank0:
+            os.makedirs(save_dir, exist_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
+        _barrier()
+        save_head_state(staging, self.head, self.head_optimizer)
         if self.compression is not None:  # per-rank residuals: DeepSpeed saves rank 0's optimizer only
             from ds_xc.compression import save_compression_state
-            save_compression_state(os.path.join(save_dir, str(tag)), self.compression)
-        if dist.is_initialized():
-            dist.barrier()
+            save_compression_state(staging, self.compression)
+        atomic_save(_rng_state(), _rng_file(staging))
+        _barrier()
         state = dict(client_state or {})
-        state["ds_xc"] = {"num_classes": self.head.num_classes, "world_size": self.head.world_size}
-        self.engine.save_checkpoint(save_dir, tag=tag, client_state=state)
-        return str(tag)
+        state["ds_xc"] = {"num_classes": self.head.num_classes, "world_size": self.head.world_size,
+                          "skipped_steps": self.skipped_steps}
+        self.engine.save_checkpoint(save_dir, tag=STAGING_PREFIX + tag, client_state=state, save_latest=False)
+        if rank0:
+            fsync_tree(staging)
+            publish_tag(save_dir, tag, staging)
+        _barrier()
+        log.info("checkpoint %s saved", os.path.join(save_dir, tag))
+        return tag
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None) -> Optional[dict]:
-        """Load engine + head; returns the client state, or None when there is no checkpoint."""
+        """Load engine + head (+ residuals, RNG states); returns the client state, or None when
+        there is no checkpoint. A head of another class count or world size is refused before
+        anything is loaded, with the command that reshards it."""
         if tag is None:
             latest = os.path.join(load_dir, "latest")
             if not os.path.isfile(latest):
                 return None
             with open(latest) as fh:
                 tag = fh.read().strip()
-        check_head_checkpoint(os.path.join(load_dir, str(tag)), self.head)  # refuse before anything loads
+        tag_dir = os.path.join(load_dir, str(tag))
+        if _world()[0] == 0 and not os.path.isdir(tag_dir):
+            with contextlib.suppress(FileNotFoundError):
+                resolve_tag(load_dir, str(tag))  # puts back a tag whose re-save was killed between renames
+        _barrier()
+        check_head_checkpoint(tag_dir, self.head)  # refuse before anything loads
         path, client_state = self.engine.load_checkpoint(load_dir, tag=tag)
         if path is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint for tag {tag!r} in {load_dir!r}")
-        load_head_state(os.path.join(load_dir, str(tag)), self.head, self.head_optimizer)
+        load_head_state(tag_dir, self.head, self.head_optimizer)
         if self.compression is not None:  # absent or other world size: residuals restart (warned)
             from ds_xc.compression import load_compression_state
-            load_compression_state(os.path.join(load_dir, str(tag)), self.compression)
-        return client_state or {}
+            load_compression_state(tag_dir, self.compression)
+        _load_rng_state(tag_dir)
+        client_state = client_state or {}
+        self.skipped_steps = int(client_state.get("ds_xc", {}).get("skipped_steps", 0))
+        self._window_bad = False
+        return client_state
+
+
+# ---------------------------------------------------------------------- helpers
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def _without_update(engine):
+    """engine.step() with its innermost optimizer's step a no-op and no lr-scheduler step."""
+    opt = getattr(engine, "basic_optimizer", None) or engine.optimizer
+    scheduler = engine.lr_scheduler
+    opt.step = lambda *args, **kwargs: None  # shadows the class method on this instance only
+    engine.lr_scheduler = None
+    try:
+        yield
+    finally:
+        del opt.step
+        engine.lr_scheduler = scheduler
+
+
+def _world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _rng_file(tag_dir: str) -> str:
+    rank, world = _world()
+    return os.path.join(tag_dir, RNG_DIR, f"rank_{rank:05d}_of_{world:05d}.pt")
+
+
+def _rng_state() -> dict:
+    """This process's global RNG states (torch CPU and CUDA, numpy, python), as plain tensors and tuples.
+
+    ds_xc's own random draws use private generators saved with their owners (samplers,
+    compression seeds per step); these global streams serve the user's backbone (dropout,
+    augmentation) and data code, which a resume must continue exactly."""
+    import numpy as np
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached": float(cached)}}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _load_rng_state(tag_dir: str) -> None:
+    path = _rng_file(tag_dir)
+    if not os.path.isfile(path):
+        log.warning("%s is absent (older checkpoint, or another world size): the global torch/numpy/python "
+                    "RNG streams are not restored", path)
+        return
+    import numpy as np
+    state = load_file(path, "RNG state file")
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---------------------------------------------------------------------- lost peers
+def gather_peers() -> list:
+    """[(hostname, pid)] of every world rank (one all_gather_object), to name a peer that dies."""
+    me = (socket.gethostname(), os.getpid())
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [me]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, me)
+    return out
+
+
+def _process_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:  # a killed child stays a zombie until its parent reaps it
+            return fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except OSError:
+        try:
+            os.kill(pid, 0)
+            return False
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False
+
+
+def lost_peers(peers: list) -> list:
+    """World ranks on this host whose process is gone (ranks on other hosts cannot be checked)."""
+    host = socket.gethostname()
+    return [r for r, (h, pid) in enumerate(peers) if h == host and pid != os.getpid() and _process_gone(pid)]
+
+
+def is_comm_failure(exc: BaseException) -> bool:
+    """True for the errors a collective raises when a peer died or did not answer in time."""
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(k in text for k in (
+        "gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout", "broken pipe",
+        "peer", "socket"))
+
+
+def describe_comm_failure(exc: BaseException, peers: Optional[list] = None, timeout_s: Optional[float] = None) -> str:
+    """One line for a failed collective: this rank, the peers found dead, and the original error."""
+    rank, world = _world()
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    gone = lost_peers(peers) if peers else []
+    if gone:
+        who = ", ".join(f"rank {r} (pid {peers[r][1]} on {peers[r][0]})" for r in gone)
+        cause = f"peer process gone: {who}"
+    else:
+        cause = ("a peer rank is gone or stuck" + (f" for more than {timeout_s:g} s" if timeout_s else "")
+                 + " (no dead rank found on this host" + (f"; ranks on other hosts: "
+                 f"{[r for r, (h, _) in enumerate(peers) if h != socket.gethostname()]}" if peers else "") + ")")
+    return f"rank {rank} of {world}: a collective failed; {cause}. Error: {type(exc).__name__}: {first}"
 
 
 def initialize(args=None, model: torch.nn.Module = None, config=None, model_parameters=None,
@@ -247,8 +485,12 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
     if xc_config.extreme_classification.overlap.enabled:
         from ds_xc.overlap.run import build_overlap
         schedule, reducer = build_overlap(engine, head, xc_config.extreme_classification.overlap, compression)
+    flag_group = None
+    if dist.get_world_size() > 1:  # a group of its own: the verdict does not queue behind gradient buckets
+        flag_group = dist.new_group(backend="gloo")
+    peers = gather_peers()
     log.info("ds_xc: engine ready (ZeRO stage %d, bf16=%s), head shard %s", engine.zero_optimization_stage(),
              engine.bfloat16_enabled(), head.extra_repr())
     return XCEngine(engine=engine, head=head, head_optimizer=head_optimizer, config=xc_config,
                     lr_scheduler=scheduler, base_lr=base_lr, compression=compression, schedule=schedule,
-                    grad_reducer=reducer)
+                    grad_reducer=reducer, flag_group=flag_group, peers=peers)

@@ -23,10 +23,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import ds_xc  # noqa: E402
 from ds_xc.data import build_dataset  # noqa: E402
-from ds_xc.engine import init_distributed, load_raw_config  # noqa: E402
+from ds_xc.engine import describe_comm_failure, init_distributed, is_comm_failure, load_raw_config  # noqa: E402
 from ds_xc.evaluate import evaluate_topk  # noqa: E402
 from ds_xc.models import build_backbone  # noqa: E402
 
+EXIT_PEER_LOST = 3  # exit status of a rank whose peer died or stopped answering
+_PEERS: dict = {}  # (hostname, pid) of every rank, once the engine is up: names a lost peer
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.json")
 
 
@@ -89,12 +91,26 @@ def main(argv=None) -> dict:
                         format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     if not args.verbose:
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    init_distributed()
+    raw = build_config(args)
+    xcfg = ds_xc.parse_config(raw)
+    tcfg, hcfg = xcfg.xc_train, xcfg.extreme_classification
+    init_distributed(timeout_s=tcfg.comm_timeout_s)  # a lost peer fails collectives after this long at most
     rank, world = dist.get_rank(), dist.get_world_size()
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores between the ranks of this machine
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
-    raw = build_config(args)
-    xcfg = ds_xc.parse_config(raw)
+    try:
+        return _train(args, raw, xcfg, rank, world)
+    except Exception as exc:
+        if world == 1 or not is_comm_failure(exc):
+            raise
+        # a peer died or hangs: say so on every surviving rank (rank 0 may be the one gone), and
+        # leave at once: destroying the process group would wait for the lost peer
+        print(f"ds_xc: {describe_comm_failure(exc, _PEERS.get('peers'), tcfg.comm_timeout_s)}; the last "
+              f"checkpoint in {args.save_dir or '(no --save_dir)'} is intact; exiting", file=sys.stderr, flush=True)
+        os._exit(EXIT_PEER_LOST)
+
+
+def _train(args, raw: dict, xcfg, rank: int, world: int) -> dict:
     tcfg, hcfg = xcfg.xc_train, xcfg.extreme_classification
     if tcfg.data in ("text", "corpus"):
         say(f"preparing the {tcfg.data} data set (tokenising, cached afterwards; corpus fetches "
@@ -110,6 +126,7 @@ def main(argv=None) -> dict:
     torch.manual_seed(tcfg.seed)
     backbone = build_backbone(data, hcfg.embedding_dim, hidden_dim=tcfg.hidden_dim)
     xc = ds_xc.initialize(model=backbone, config=raw)
+    _PEERS["peers"] = xc.peers
     micro, gas = xc.engine.train_micro_batch_size_per_gpu(), xc.engine.gradient_accumulation_steps()
     cast = torch.bfloat16 if xc.engine.bfloat16_enabled() and data.input_kind == "dense" else None
 
@@ -191,7 +208,8 @@ def main(argv=None) -> dict:
                "top1": ev["top1"], "top5": ev["top5"], "eval_samples": ev["samples"],
                "final_loss": final_loss, "seconds": elapsed, "world_size": world,
                "evals": history, "sampler_stats": xc.head.sampler_stats(),
-               "compression_stats": compression_stats(), "overlap_stats": xc.overlap_stats().get("mean", {})}
+               "compression_stats": compression_stats(), "overlap_stats": xc.overlap_stats().get("mean", {}),
+               "reliability": xc.stats()}
     if args.summary_json and rank == 0:
         with open(args.summary_json, "w") as fh:
             json.dump(summary, fh, indent=1)
@@ -203,6 +221,9 @@ def main(argv=None) -> dict:
         say(f"gradient compression ({xcfg.gradient_compression.method}): density {comp.get('density', 0):.4f}, "
             f"{comp.get('bytes_sent', 0) / 2**20:.1f} MiB sent by rank 0 "
             f"({comp.get('bytes_sent', 0) / max(comp.get('dense_bytes', 0), 1):.4f} of a dense all-reduce)")
+    if xc.stats()["skipped_steps"]:
+        say(f"skipped {xc.stats()['skipped_steps']} optimizer step(s) with NaN/Inf loss or gradients "
+            f"(extreme_classification.nonfinite='skip'); see the warnings in the log")
     ov = summary["overlap_stats"]
     if ov:
         say(f"overlap pipeline ({hcfg.overlap.num_chunks} chunks): per micro-step {ov['step_s'] * 1e3:.1f} ms, of "

@@ -100,6 +100,10 @@ class OverlappedCompressedReducer(BucketedGradReducer):
             for i in plan["sparse"]:
                 start = opt.layout.starts[opt.layout.sparse.index(i)]
                 self._flat[start: start + self.params[i].numel()].copy_(self._grad(i).reshape(-1))
+            # NaN/Inf would break the thresholds and selection on this rank only (its peers then wait
+            # in the next collective): compress them as 0. The .grad keeps them, so XCEngine sees them
+            # and skips the step (restarting these residuals) on every rank.
+            torch.nan_to_num_(self._flat[a:e], nan=0.0, posinf=0.0, neginf=0.0)
             v = opt._accumulate(self._flat, a, e)  # (n,) the region; [a, e) updated
             if self.stats_due:
                 opt._sync_stats(v, plan["segments"], comm=self.comm_group)

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 __all__ = ["ClassParallelHead", "init_shard"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+_BAD_INPUT, _NONFINITE = 2, 1  # per-rank input verdicts of _check (larger = worse)
 _INIT_BLOCK = 1 << 16  # rows per init block: the init of a class does not depend on the world size
 
 
@@ -72,12 +73,15 @@ class ClassParallelHead(nn.Module):
             lazy head optimizers; sampled heads then cost O(K*d) per step).
         check_inputs: validate label range, shapes and finiteness on every rank before the
             collectives (one small all-reduce, and a host sync on GPU).
+        nonfinite: "raise" (the default of a head used on its own) or "skip" (NaN/Inf embeddings:
+            forward returns a NaN loss without a graph on every rank, touching neither the
+            weights nor the sampler; XCEngine, whose config default is "skip", then skips the step).
     """
 
     def __init__(self, embedding_dim: int, num_classes: int, loss="softmax", sampler="full",
                  group=None, chunk_size: int = 0, dtype: Union[str, torch.dtype] = torch.float32,
                  init_std: float = 0.01, seed: int = 0, update: str = "dense",
-                 check_inputs: bool = True, device=None):
+                 check_inputs: bool = True, nonfinite: str = "raise", device=None):
         super().__init__()
         if isinstance(dtype, str):
             if dtype not in _DTYPES:
@@ -93,7 +97,10 @@ class ClassParallelHead(nn.Module):
         self.class_start, self.num_local = shard_range(self.num_classes, self.world_size, self.rank)
         self.loss_fn: TargetLoss = build_loss(loss)
         self.sampler_config = cfg.parse_sampler(sampler)
+        if nonfinite not in ("skip", "raise"):
+            raise cfg.ConfigError(f"{cfg.HEAD_SECTION}.nonfinite: got {nonfinite!r}; allowed: 'skip', 'raise'")
         self.chunk_size, self.update, self.check_inputs = int(chunk_size), update, bool(check_inputs)
+        self.nonfinite, self.nonfinite_inputs = nonfinite, 0  # policy; steps whose input was non-finite
         self.seed = int(seed)
         self.weight = nn.Parameter(init_shard(self.num_classes, self.embedding_dim, self.class_start,
                                               self.num_local, init_std, seed, dtype, device))
@@ -113,7 +120,7 @@ class ClassParallelHead(nn.Module):
         c = cfg.validate_section(cfg.HeadConfig, section, cfg.HEAD_SECTION)
         return cls(c.embedding_dim, c.num_classes, loss=c.loss, sampler=c.sampler, group=group,
                    chunk_size=c.chunk_size, dtype=c.dtype, init_std=c.init_std, seed=c.seed,
-                   update=c.optimizer.update, check_inputs=c.check_inputs, device=device)
+                   update=c.optimizer.update, check_inputs=c.check_inputs, nonfinite=c.nonfinite, device=device)
 
     def extra_repr(self) -> str:
         return (f"embedding_dim={self.embedding_dim}, num_classes={self.num_classes}, "
@@ -121,34 +128,73 @@ class ClassParallelHead(nn.Module):
                 f"{self.world_size}, sampler={self.sampler_config.type}, update={self.update}")
 
     # ------------------------------------------------------------------ checks
-    def _check(self, embeddings: torch.Tensor, labels: torch.Tensor) -> None:
+    def _local_problem(self, embeddings: torch.Tensor, labels: torch.Tensor) -> Optional[tuple[int, Exception]]:
+        """None when this rank's input is fine, else (code, the error to raise): code _BAD_INPUT for a
+        shape, dtype or label problem, _NONFINITE for NaN/Inf embeddings."""
         if embeddings.dim() != 2 or embeddings.shape[1] != self.embedding_dim:
-            raise ValueError(f"embeddings must have shape (batch, {self.embedding_dim}), got "
-                             f"{tuple(embeddings.shape)} on rank {self.rank}")
+            return _BAD_INPUT, ValueError(f"embeddings must have shape (batch, {self.embedding_dim}), got "
+                                          f"{tuple(embeddings.shape)} on rank {self.rank}")
         if not embeddings.is_floating_point():
-            raise TypeError(f"embeddings must be floating point, got {embeddings.dtype} on rank {self.rank}")
+            return _BAD_INPUT, TypeError(f"embeddings must be floating point, got {embeddings.dtype} on rank "
+                                         f"{self.rank}")
         if labels.shape != (embeddings.shape[0],):
-            raise ValueError(f"labels must have shape ({embeddings.shape[0]},) to match the embeddings, "
-                             f"got {tuple(labels.shape)} on rank {self.rank}")
+            return _BAD_INPUT, ValueError(f"labels must have shape ({embeddings.shape[0]},) to match the "
+                                          f"embeddings, got {tuple(labels.shape)} on rank {self.rank}")
         if labels.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-            raise TypeError(f"labels must be an integer tensor, got {labels.dtype} on rank {self.rank}")
+            return _BAD_INPUT, TypeError(f"labels must be an integer tensor, got {labels.dtype} on rank {self.rank}")
         if not self.check_inputs:
-            return
+            return None
         bad_label = (labels < 0) | (labels >= self.num_classes)
-        flags = torch.stack([bad_label.any(), ~torch.isfinite(embeddings).all()]).to(torch.int32)
-        if is_distributed(self.group):  # every rank learns of bad input: nobody hangs in a collective
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        if not bool(flags.any()):
-            return
-        if bad_label.any():
+        if bool(bad_label.any()):
             pos = int(bad_label.nonzero()[0, 0])
-            raise ValueError(f"label {int(labels[pos])} at position {pos} on rank {self.rank} is outside "
-                             f"[0, {self.num_classes})")
-        if not bool(torch.isfinite(embeddings).all()):
-            pos = int((~torch.isfinite(embeddings)).any(dim=1).nonzero()[0, 0])
-            raise FloatingPointError(f"embeddings row {pos} on rank {self.rank} contains NaN or Inf")
-        raise ValueError(f"another rank reported invalid labels or non-finite embeddings "
-                         f"(this is rank {self.rank}); see that rank's error")
+            return _BAD_INPUT, ValueError(f"label {int(labels[pos])} at position {pos} on rank {self.rank} is "
+                                          f"outside [0, {self.num_classes})")
+        finite_rows = torch.isfinite(embeddings).all(dim=1)
+        if not bool(finite_rows.all()):
+            pos = int((~finite_rows).nonzero()[0, 0])
+            return _NONFINITE, FloatingPointError(f"embeddings row {pos} on rank {self.rank} contains NaN or Inf")
+        return None
+
+    def _check(self, embeddings: torch.Tensor, labels: torch.Tensor) -> bool:
+        """Validate this step's input on every rank; True when the step can run.
+
+        Every rank's verdict is all-reduced first (one (P,) int32 all-reduce), so all ranks
+        take the same decision and nobody is left waiting in a collective: invalid labels,
+        shapes or dtypes raise on every rank (the rank at fault names the label, position or
+        shape; the others name that rank). Non-finite embeddings raise FloatingPointError
+        under ``nonfinite="raise"``; under ``"skip"`` every rank returns False and the caller
+        skips the step. With ``check_inputs=False`` only the local shape checks run.
+        """
+        problem = self._local_problem(embeddings, labels)
+        code, error = problem if problem is not None else (0, None)
+        if not self.check_inputs:
+            if error is not None:
+                raise error
+            return True
+        codes = torch.zeros(self.world_size, dtype=torch.int32, device=embeddings.device)
+        codes[self.rank] = code
+        if is_distributed(self.group):  # every rank learns of bad input: nobody hangs in a collective
+            dist.all_reduce(codes, op=dist.ReduceOp.SUM, group=self.group)
+        codes = codes.tolist()
+        if not any(codes):
+            return True
+        if code == _BAD_INPUT:
+            raise error
+        bad = [r for r, c in enumerate(codes) if c == _BAD_INPUT]
+        if bad:
+            raise ValueError(f"rank(s) {bad} reported invalid labels, embedding shape or dtype (this is rank "
+                             f"{self.rank}, whose input is {'fine' if not code else 'non-finite too'}); see "
+                             "that rank's error")
+        if self.nonfinite == "raise":
+            if code:
+                raise FloatingPointError(f"{error} ({cfg.HEAD_SECTION}.nonfinite='raise')")
+            raise FloatingPointError(f"rank(s) {[r for r, c in enumerate(codes) if c]} reported NaN or Inf "
+                                     f"embeddings (this is rank {self.rank}; {cfg.HEAD_SECTION}.nonfinite='raise')")
+        self.nonfinite_inputs += 1
+        log.warning("rank %d: %s; the step is skipped on every rank (%s.nonfinite='skip')", self.rank,
+                    error if code else f"rank(s) {[r for r, c in enumerate(codes) if c]} reported NaN or Inf "
+                    "embeddings", cfg.HEAD_SECTION)
+        return False
 
     # ------------------------------------------------------------------ forward
     def gather(self, embeddings: torch.Tensor, labels: torch.Tensor,
@@ -167,7 +213,8 @@ class ClassParallelHead(nn.Module):
         embeddings (B, d) and labels (B,) are this rank's share of the global batch.
         ``batch_sizes`` lists every rank's B when they differ (None: all equal).
         """
-        self._check(embeddings, labels)
+        if not self._check(embeddings, labels):  # non-finite input, nonfinite="skip": agreed by every rank
+            return torch.full((), float("nan"), device=embeddings.device)
         x, y = self.gather(embeddings, labels, batch_sizes)  # (N, d), (N,)
         active = self.sampler.sample(y, x.detach() if self.sampler.needs_embeddings else None, self.weight)
         self.last_active = active

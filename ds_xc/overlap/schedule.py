@@ -158,7 +158,11 @@ class ChunkedHeadSchedule:
             embeds.append(emb)
             gathers.append(PendingGather(emb.detach(), per_chunk[c], self.comm_group, tl, "gather",
                                          blocking=blocking) if sum(per_chunk[c]) else None)
-        head._check(torch.cat([e.detach() for e in embeds]) if C > 1 else embeds[0].detach(), labels)
+        if not head._check(torch.cat([e.detach() for e in embeds]) if C > 1 else embeds[0].detach(), labels):
+            for g in gathers:  # non-finite input, nonfinite="skip" (every rank agrees): drain, no backward
+                if g is not None:
+                    g.wait()
+            return torch.full((), float("nan"), dtype=torch.float64, device=device)
         need_gx = any(e.requires_grad for e in embeds)
         need_gw = head.weight.requires_grad and torch.is_grad_enabled()
 
