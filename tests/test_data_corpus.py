@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from ds_xc.config import ConfigError, parse_config
 from ds_xc.data import DATASETS, CorpusDataset, build_dataset, debian
 from ds_xc.data import corpus as corpus_module
 
@@ -39,6 +40,9 @@ def _tiny_root(tmp_path):
     _package(root, "gcide", {_GCIDE: gzip.compress(b"Cat \\Cat\\, n. A cat.\nDog \\Dog\\, n. A dog.\n")})
     _package(root, "linux-doc", {_LINUX + "a.rst.txt": b"The cat and the dog", _LINUX + "x.html": b"zzz"})
     _package(root, "python-doc", {_PYTHON + "lib/b.rst.txt": b"A dog, the DOG."})
+    # As in python3.X-doc: a second path to the same files, which must count once.
+    (root / "python-doc/usr/share/doc/python3.11-doc").mkdir(parents=True)
+    (root / "python-doc/usr/share/doc/python3.11-doc/html").symlink_to("../python3.11/html")
     return root
 
 
@@ -191,6 +195,19 @@ def test_registry_and_build(tmp_path):
     assert ds.seed == 3 and ds.describe()["name"] == "corpus"
 
 
+def test_train_config_corpus_fields():
+    head = {"num_classes": 10, "embedding_dim": 4}
+    cfg = parse_config({"extreme_classification": head, "xc_train": {
+        "data": "corpus", "corpus_mode": "bigram", "corpus_vocab_size": 20_000}}).xc_train
+    assert (cfg.data, cfg.corpus_mode, cfg.corpus_vocab_size) == ("corpus", "bigram", 20_000)
+    for train, match in [({"corpus_vocab_size": 500}, "corpus_vocab_size=500 must be 0 or in"),
+                         ({"corpus_vocab_size": 300_000}, "xc_train.corpus_vocab_size"),
+                         ({"corpus_vocab_size": 20_000}, "applies to corpus_mode='bigram'"),
+                         ({"corpus_mode": "trigram"}, "xc_train.corpus_mode")]:
+        with pytest.raises(ConfigError, match=match):
+            parse_config({"extreme_classification": head, "xc_train": {"data": "corpus", **train}})
+
+
 # ---------------------------------------------------------------- Debian helpers
 def _tar(files: dict[str, bytes], mode: str) -> bytes:
     buf = io.BytesIO()
@@ -237,7 +254,8 @@ def test_package_names_and_sources_parsing():
     sources = debian.parse_sources([
         "deb [arch=amd64] http://a.example/debian bookworm main contrib\n# deb http://no/ x y\n"
         "deb-src http://src/ bookworm main\n",
-        "Types: deb\nURIs: http://b.example/debian\nSuites: bookworm bookworm-updates\nComponents: main\n\n"
+        "Types: deb\n# a comment inside the stanza\nURIs: http://b.example/debian\n"
+        "Suites: bookworm bookworm-updates\nComponents: main\n\n"
         "Types: deb-src\nURIs: http://c/\nSuites: s\nComponents: main\n",
     ])
     assert sources == [("http://a.example/debian", "bookworm", "main"),

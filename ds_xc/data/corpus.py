@@ -9,7 +9,7 @@ Sources (``SOURCES``; fetched by ``ds_xc.data.debian``, unpacked under ``root/KE
   ``\\Ab*do"men\\`` are removed (their stress marks would split words into syllables).
 * ``linux-doc``: ``usr/share/doc/linux-doc-*/html/_sources/**/*.rst.txt`` of
   linux-doc-X.Y, the reStructuredText of the kernel documentation.
-* ``python-doc``: ``usr/share/doc/python3.*/html/_sources/**/*.rst.txt`` of
+* ``python-doc``: ``usr/share/doc/python3.X/html/_sources/**/*.rst.txt`` of
   python3.X-doc, the reStructuredText of the Python documentation.
 
 Words: ``[a-z_][a-z0-9_]*`` on the lowercased bytes (text.py's pattern, lowercased;
@@ -99,12 +99,15 @@ class CorpusSource:
 
 
 SOURCES: dict[str, CorpusSource] = {
-    "gcide": CorpusSource("gcide", ("usr/share/dictd/gcide.dict.dz",), read_gcide, "GPL-2+"),
+    "gcide": CorpusSource("gcide", ("usr/share/dictd/gcide.dict.dz",), read_gcide, "GPL-2.0-or-later"),
     "linux-doc": CorpusSource(
-        "linux-doc", ("usr/share/doc/linux-doc-*/html/_sources/**/*.rst.txt",), read_plain, "GPL-2"),
+        "linux-doc", ("usr/share/doc/linux-doc-*/html/_sources/**/*.rst.txt",), read_plain,
+        "GPL-2.0 (package); per-file SPDX tags: some GFDL-1.1-or-later, a few dual BSD"),
+    # Not python3.*: usr/share/doc/python3.X-doc/html is a symlink to the same files.
     "python-doc": CorpusSource(
-        "python-doc", ("usr/share/doc/python3.*/html/_sources/**/*.rst.txt",), read_plain,
-        "PSF License (Python license)"),
+        "python-doc", ("usr/share/doc/python3.[0-9]/html/_sources/**/*.rst.txt",
+                       "usr/share/doc/python3.[0-9][0-9]/html/_sources/**/*.rst.txt"), read_plain,
+        "PSF-2.0 (Python Software Foundation License Version 2)"),
 }
 DEFAULT_SOURCES = tuple(SOURCES)
 
@@ -120,15 +123,20 @@ def default_root() -> Path:
 
 
 def list_files(root: Path, sources: Iterable[str]) -> list[tuple[str, Path]]:
-    """(name "SOURCE/relative/path", path) of every text file, in source then path order."""
-    found = []
+    """(name "SOURCE/relative/path", path) of every text file, in source then path order;
+    a file reached twice through symlinks counts once (its first path)."""
+    found, seen = [], set()
     for key in sources:
         base = root / SOURCES[key].package
         paths = sorted({Path(p) for g in SOURCES[key].globs
                         for p in glob.glob(str(base / g), recursive=True) if os.path.isfile(p)})
         if not paths:
             raise ValueError(f"source {key!r}: no file matches {SOURCES[key].globs} under {base}")
-        found += [(f"{key}/{p.relative_to(base).as_posix()}", p) for p in paths]
+        for p in paths:
+            real = os.path.realpath(p)
+            if real not in seen:
+                seen.add(real)
+                found.append((f"{key}/{p.relative_to(base).as_posix()}", p))
     return found
 
 
@@ -439,7 +447,8 @@ class CorpusDataset(XCDataset):
             "name": self.name, "mode": self.mode, "num_classes": self.num_classes,
             "num_label_classes": self.num_label_classes, "vocab_size": len(self.vocab),
             "input_kind": self.input_kind, "input_dim": self.input_dim, "pad_id": self.pad_id,
-            "context": self.context, "seed": self.seed, "sources": list(self.sources),
+            "context": self.context, "seed": self.seed,
+            "sources": {k: SOURCES[k].licence for k in self.sources},
             "heldout_fraction": self.heldout_fraction, "block_words": self.block_words, **self._stats,
             "num_train": len(self._train_pos), "num_eval": len(self._eval_pos),
             "root": str(self.root), "cache_path": str(self.cache_path),

@@ -117,7 +117,9 @@ def parse_sources(texts: list[str]) -> list[tuple[str, str, str]]:
     deb822 ``.sources`` texts (``deb-src`` entries and commented lines are skipped)."""
     entries = []
     for text in texts:
-        lines = [re.sub(r"#.*", "", line).rstrip() for line in text.splitlines()]
+        # Comment lines go entirely: left blank they would split a deb822 stanza.
+        lines = [re.sub(r"#.*", "", line).rstrip() for line in text.splitlines()
+                 if not line.lstrip().startswith("#")]
         for line in lines:  # one-line style: deb [opts] uri suite comp...
             m = re.match(r"\s*deb\s+(\[[^\]]*\]\s+)?(\S+)\s+(\S+)\s+(.+)", line)
             if m:
