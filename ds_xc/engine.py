@@ -284,7 +284,9 @@ class XCEngine:
         staging = os.path.join(save_dir, STAGING_PREFIX + tag)
         if rank0:
             os.makedirs(save_dir, exist_ok=True)
-            shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
+            for name in os.listdir(save_dir):  # left by saves that were killed (one job per save_dir)
+                if name.startswith(STAGING_PREFIX):
+                    shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
         _barrier()
         save_head_state(staging, self.head, self.head_optimizer)
         if self.compression is not None:  # per-rank residuals: DeepSpeed saves rank 0's optimizer only
