@@ -248,8 +248,9 @@ class HeadConfig(_Section):
 # --------------------------------------------------------------------------- training job
 class TrainConfig(_Section):
     """Section ``xc_train``: the built-in job of ``launch/train.py`` (flags override it)."""
-    data: Literal["text", "synthetic", "corpus"] = Field(
-        "text", description="Built-in data set (docs/data.md); corpus fetches Debian packages on first use.")
+    data: Literal["text", "synthetic", "corpus", "glyphs"] = Field(
+        "text", description="Built-in data set (docs/data.md, docs/glyphs.md); corpus and glyphs fetch Debian "
+        "packages on first use.")
     max_steps: int = Field(300, ge=1, description="Optimizer steps to train.")
     eval_every: int = Field(100, ge=0, description="Held-out evaluation every N steps (0 = only at the end).")
     eval_samples: int = Field(4096, ge=1, description="Held-out samples per evaluation (at most).")
@@ -377,6 +378,9 @@ def parse_sampler(value: Any):
 def _load(config: Union[str, os.PathLike, dict]) -> dict:
     if isinstance(config, dict):
         return config
+    if not isinstance(config, (str, os.PathLike)):
+        raise ConfigError(f"the config must be a JSON object (dict) or a path to a JSON file, got "
+                          f"{type(config).__name__} {config!r:.80}")
     path = os.fspath(config)
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} does not exist")
