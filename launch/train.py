@@ -115,6 +115,9 @@ def _train(args, raw: dict, xcfg, rank: int, world: int) -> dict:
     if tcfg.data in ("text", "corpus"):
         say(f"preparing the {tcfg.data} data set (tokenising, cached afterwards; corpus fetches "
             "Debian packages the first time)...")
+    elif tcfg.data == "glyphs":
+        say("preparing the glyphs data set (fonts fetched from Debian and rendered once, about 3 minutes; "
+            "cached afterwards)...")
     if rank != 0:
         dist.barrier()  # rank 0 builds any cache first
     data_kwargs = {"context": tcfg.context} if tcfg.data in ("text", "corpus") else {}
@@ -128,7 +131,7 @@ def _train(args, raw: dict, xcfg, rank: int, world: int) -> dict:
     xc = ds_xc.initialize(model=backbone, config=raw)
     _PEERS["peers"] = xc.peers
     micro, gas = xc.engine.train_micro_batch_size_per_gpu(), xc.engine.gradient_accumulation_steps()
-    cast = torch.bfloat16 if xc.engine.bfloat16_enabled() and data.input_kind == "dense" else None
+    cast = torch.bfloat16 if xc.engine.bfloat16_enabled() and data.input_kind in ("dense", "image") else None
 
     start = 0
     if args.resume:
@@ -147,6 +150,19 @@ def _train(args, raw: dict, xcfg, rank: int, world: int) -> dict:
         res = evaluate_topk(embed, xc.head, data.eval_batches(micro, rank, world, tcfg.eval_samples),
                             device=xc.engine.device)
         xc.train()
+        return res
+
+    def verify() -> dict:
+        """TAR at FAR 1e-3 / 1e-4 on the data set's held-out designs (rank 0; the backbone is replicated)."""
+        res = {}
+        if rank == 0:
+            from ds_xc.evaluate import verification
+            xc.eval()
+            images, labels, designs = data.verification_set()
+            res = verification(lambda x: xc.engine(x.to(xc.engine.device).to(cast) if cast else
+                                                   x.to(xc.engine.device)), images, labels, designs)
+            xc.train()
+        dist.barrier()
         return res
 
     def save(step: int) -> None:
@@ -201,6 +217,7 @@ def _train(args, raw: dict, xcfg, rank: int, world: int) -> dict:
     if bar is not None:
         bar.close()
     ev = evaluate()
+    verified = verify() if hasattr(data, "verification_set") else {}
     final_loss = loss.item() if tcfg.max_steps > start else float("nan")
     history.append(dict(ev, step=tcfg.max_steps, loss=final_loss, seconds=elapsed))
     save(tcfg.max_steps)
@@ -209,6 +226,7 @@ def _train(args, raw: dict, xcfg, rank: int, world: int) -> dict:
                "final_loss": final_loss, "seconds": elapsed, "world_size": world,
                "evals": history, "sampler_stats": xc.head.sampler_stats(),
                "compression_stats": compression_stats(), "overlap_stats": xc.overlap_stats().get("mean", {}),
+               "verification": verified,
                "reliability": xc.stats()}
     if args.summary_json and rank == 0:
         with open(args.summary_json, "w") as fh:
@@ -216,6 +234,10 @@ def _train(args, raw: dict, xcfg, rank: int, world: int) -> dict:
     say(f"done: {summary['steps']} steps in {elapsed:.1f} s, {summary['samples_per_s']:.0f} samples/s, "
         f"final loss {summary['final_loss']:.4f}, held-out top-1 {ev['top1']:.4f} top-5 {ev['top5']:.4f} "
         f"({ev['samples']} samples)")
+    if verified:
+        say(f"verification on held-out designs: TAR {verified['tar@far=0.001']:.4f} at FAR 1e-3, "
+            f"{verified['tar@far=0.0001']:.4f} at FAR 1e-4 ({verified['genuine_pairs']} genuine, "
+            f"{verified['impostor_pairs']} impostor pairs)")
     comp = summary["compression_stats"]
     if comp:
         say(f"gradient compression ({xcfg.gradient_compression.method}): density {comp.get('density', 0):.4f}, "

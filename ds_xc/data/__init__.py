@@ -1,5 +1,6 @@
-"""Built-in data sets: synthetic (any number of classes), text (stdlib next word) and
-corpus (next word or word pair over Debian's dictionary and documentation).
+"""Built-in data sets: synthetic (any number of classes), text (stdlib next word),
+corpus (next word or word pair over Debian's dictionary and documentation) and glyphs
+(CJK characters rendered from Debian fonts, verified on held-out fonts).
 
 ``build_dataset(name, num_classes, seed=0, **kwargs)`` builds one by registry name;
 every data set implements ``XCDataset`` (see base.py for the resume contract).
@@ -9,11 +10,12 @@ from __future__ import annotations
 
 from ds_xc.data.base import XCDataset
 from ds_xc.data.corpus import CorpusDataset
+from ds_xc.data.glyphs import GlyphDataset
 from ds_xc.data.synthetic import SyntheticDataset
 from ds_xc.data.text import TextDataset
 
 DATASETS: dict[str, type[XCDataset]] = {
-    "synthetic": SyntheticDataset, "text": TextDataset, "corpus": CorpusDataset}
+    "synthetic": SyntheticDataset, "text": TextDataset, "corpus": CorpusDataset, "glyphs": GlyphDataset}
 
 
 def build_dataset(name: str, num_classes: int, seed: int = 0, **kwargs) -> XCDataset:
@@ -23,4 +25,5 @@ def build_dataset(name: str, num_classes: int, seed: int = 0, **kwargs) -> XCDat
     return DATASETS[name](num_classes, seed=seed, **kwargs)
 
 
-__all__ = ["DATASETS", "CorpusDataset", "SyntheticDataset", "TextDataset", "XCDataset", "build_dataset"]
+__all__ = ["DATASETS", "CorpusDataset", "GlyphDataset", "SyntheticDataset", "TextDataset", "XCDataset",
+           "build_dataset"]
