@@ -232,7 +232,8 @@ def test_bad_input_raises_on_every_rank(pools, fault, faulty, case, own):
         if rank == faulty:
             assert own in err[1]
         else:
-            assert f"rank(s) [{faulty}] reported" in err[1] and f"this is rank {rank}" in err[1]
+            assert f"another rank reported invalid labels, embedding shape or dtype: rank(s) [{faulty}]" in err[1]
+            assert f"this is rank {rank}" in err[1]
         assert len(after) == 1 and after[0] == after[0]
 
 
@@ -293,4 +294,4 @@ def test_nonfinite_raise_policy_raises_on_every_rank(pools, fault):
         assert msg is not None and "nonfinite='raise'" in msg
     if fault == "nan_out":
         assert "embeddings row 2 on rank 1 contains NaN or Inf" in msgs[1]
-        assert "rank(s) [1] reported NaN or Inf" in msgs[0]
+        assert "another rank reported NaN or Inf embeddings: rank(s) [1] (this is rank 0" in msgs[0]

@@ -182,14 +182,15 @@ class ClassParallelHead(nn.Module):
             raise error
         bad = [r for r, c in enumerate(codes) if c == _BAD_INPUT]
         if bad:
-            raise ValueError(f"rank(s) {bad} reported invalid labels, embedding shape or dtype (this is rank "
-                             f"{self.rank}, whose input is {'fine' if not code else 'non-finite too'}); see "
-                             "that rank's error")
+            raise ValueError(f"another rank reported invalid labels, embedding shape or dtype: rank(s) {bad} "
+                             f"(this is rank {self.rank}, whose input is {'fine' if not code else 'non-finite'}); "
+                             "see that rank's error")
         if self.nonfinite == "raise":
             if code:
                 raise FloatingPointError(f"{error} ({cfg.HEAD_SECTION}.nonfinite='raise')")
-            raise FloatingPointError(f"rank(s) {[r for r, c in enumerate(codes) if c]} reported NaN or Inf "
-                                     f"embeddings (this is rank {self.rank}; {cfg.HEAD_SECTION}.nonfinite='raise')")
+            raise FloatingPointError(f"another rank reported NaN or Inf embeddings: rank(s) "
+                                     f"{[r for r, c in enumerate(codes) if c]} (this is rank {self.rank}; "
+                                     f"{cfg.HEAD_SECTION}.nonfinite='raise')")
         self.nonfinite_inputs += 1
         log.warning("rank %d: %s; the step is skipped on every rank (%s.nonfinite='skip')", self.rank,
                     error if code else f"rank(s) {[r for r, c in enumerate(codes) if c]} reported NaN or Inf "
