@@ -1,0 +1,28 @@
+"""launch/bench.py: argument checks and the sizes each part runs at (the parts themselves are
+benchmarks, run by hand; their plumbing by ``python launch/bench.py report --smoke``)."""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch"))
+import bench  # noqa: E402
+
+
+def test_unknown_parts_and_bad_scale_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["report", "--parts", "samplers,nope"])
+    assert "unknown ['nope']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args(["report", "--scale", "0"])
+    assert "--scale=0.0 is invalid" in capsys.readouterr().err
+
+
+def test_sizes_scale_and_text_classes_are_capped_by_the_vocabulary():
+    one = bench.sizes(bench.parse_args(["report"]))
+    four = bench.sizes(bench.parse_args(["report", "--scale", "4"]))
+    assert four["steps"] == 4 * one["steps"] and four["synthetic_classes"] == 4 * one["synthetic_classes"]
+    assert four["text_classes"] == one["text_classes"] == 20_000
+    assert four["head_classes"] == [4 * c for c in one["head_classes"]]
+    smoke = bench.sizes(bench.parse_args(["report", "--smoke"]))
+    assert smoke["steps"] < one["steps"] and max(smoke["head_classes"]) < min(one["head_classes"])
