@@ -20,6 +20,7 @@ import os
 import random
 import shutil
 import socket
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -424,6 +425,9 @@ def _process_gone(pid: int) -> bool:
             return False
 
 
+_EXIT_GRACE_S = 3.0  # how long a failed collective waits for a dying peer to show as gone
+
+
 def lost_peers(peers: list) -> list:
     """World ranks on this host whose process is gone (ranks on other hosts cannot be checked)."""
     host = socket.gethostname()
@@ -444,7 +448,13 @@ def describe_comm_failure(exc: BaseException, peers: Optional[list] = None, time
     """One line for a failed collective: this rank, the peers found dead, and the original error."""
     rank, world = _world()
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-    gone = lost_peers(peers) if peers else []
+    gone = []
+    deadline = time.monotonic() + _EXIT_GRACE_S
+    while peers:  # a killed peer's sockets close before it becomes a zombie: give its exit a moment
+        gone = lost_peers(peers)
+        if gone or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     if gone:
         who = ", ".join(f"rank {r} (pid {peers[r][1]} on {peers[r][0]})" for r in gone)
         cause = f"peer process gone: {who}"
