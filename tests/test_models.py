@@ -74,6 +74,6 @@ def test_bad_dims(kwargs, match):
 
 
 def test_unknown_input_kind():
-    fake = types.SimpleNamespace(input_kind="image", input_dim=3, context=0)
-    with pytest.raises(ValueError, match=r"input_kind='image'.*dense.*tokens"):
+    fake = types.SimpleNamespace(input_kind="audio", input_dim=3, context=0)
+    with pytest.raises(ValueError, match=r"input_kind='audio'.*dense.*image.*tokens"):
         build_backbone(fake, 8)
