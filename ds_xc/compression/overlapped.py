@@ -26,6 +26,7 @@ from ds_xc.compression.optimizer import _RESYNC
 from ds_xc.compression.transport import allreduce_bytes, start_sparse_allgather_mean
 from ds_xc.config import ConfigError, HEAD_SECTION
 from ds_xc.overlap.buckets import BucketedGradReducer
+from ds_xc.overlap.timeline import wait_work
 from ds_xc.parallel.groups import group_size
 
 __all__ = ["OverlappedCompressedReducer"]
@@ -181,10 +182,7 @@ class OverlappedCompressedReducer(BucketedGradReducer):
         self._close(sent, global_sent)
 
     def _wait(self, work) -> None:
-        if self.timeline is not None:
-            self.timeline.wait(work, "grad_reduce")
-        else:
-            work.wait()
+        wait_work(work, self.timeline, "grad_reduce")
 
     def _close(self, sent: int, global_sent: int) -> None:
         """The bookkeeping of CompressedOptimizer.reduce_gradients / _reduce_bucket for this step."""

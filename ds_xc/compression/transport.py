@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ds_xc.overlap.timeline import wait_work
 from ds_xc.parallel.collectives import gather_flat, reduce_scatter_flat
 from ds_xc.parallel.groups import group_rank, group_size, is_distributed
 
@@ -99,12 +100,8 @@ class PendingSparseMean:
 
     def wait(self, timeline=None):
         """(dense (n,) float32 mean, (P,) int64 counts); waits for the payload, then decodes."""
-        if self.work is not None:
-            if timeline is not None:
-                timeline.wait(self.work, "grad_reduce")
-            else:
-                self.work.wait()
-            self.work = None
+        wait_work(self.work, timeline, "grad_reduce")
+        self.work = None
         if self.rows is not None:
             world = self.headers.shape[0]
             rows = self.rows.view(world, -1)  # (P, row)

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ds_xc.overlap.timeline import Timeline
+from ds_xc.overlap.timeline import Timeline, wait_work
 from ds_xc.parallel.groups import group_size, is_distributed
 
 log = logging.getLogger(__name__)
@@ -130,12 +130,7 @@ class BucketedGradReducer:
         while self._next < len(self.buckets):
             self._launch(self._next)
         for b, idx in enumerate(self.buckets):
-            work = self._works[b]
-            if work is not None:
-                if self.timeline is not None:
-                    self.timeline.wait(work, "grad_reduce")
-                else:
-                    work.wait()
+            wait_work(self._works[b], self.timeline, "grad_reduce")
             buf = self._buffers[b]
             if self.world > 1:
                 buf.div_(self.world)

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ds_xc.overlap.timeline import Timeline
+from ds_xc.overlap.timeline import Timeline, wait_work
 from ds_xc.parallel.collectives import gather_flat, reduce_scatter_flat
 from ds_xc.parallel.groups import group_size, is_distributed
 
@@ -47,12 +47,8 @@ class PendingGather:
             self._wait()
 
     def _wait(self) -> None:
-        if self.work is not None:
-            if self.timeline is not None:
-                self.timeline.wait(self.work, self.kind)
-            else:
-                self.work.wait()
-            self.work = None
+        wait_work(self.work, self.timeline, self.kind)
+        self.work = None
 
     def wait(self) -> torch.Tensor:
         """The gathered rows (sum(sizes), d); unpadded."""
@@ -90,12 +86,8 @@ class PendingReduceScatter:
             self._wait()
 
     def _wait(self) -> None:
-        if self.work is not None:
-            if self.timeline is not None:
-                self.timeline.wait(self.work, self.kind)
-            else:
-                self.work.wait()
-            self.work = None
+        wait_work(self.work, self.timeline, self.kind)
+        self.work = None
 
     def wait(self) -> torch.Tensor:
         """This rank's rows of the sum: (sizes[rank], d)."""

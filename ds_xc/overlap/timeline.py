@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["Timeline"]
+__all__ = ["Timeline", "wait_work"]
 
 
 class Timeline:
@@ -99,3 +99,13 @@ class Timeline:
             parts.append("(" + ", ".join(f"{k[8:-2]} {rec[k] * 1e3:.1f}" for k in kinds) + ")")
         parts.append(f"{rec['issued']:.0f} collectives issued, {rec['issued_mb']:.2f} MiB")
         return ", ".join(parts)
+
+
+def wait_work(work, timeline: Optional[Timeline], kind: str) -> None:
+    """Wait for ``work`` (None: finished), recording the wait in ``timeline`` when there is one."""
+    if work is None:
+        return
+    if timeline is not None:
+        timeline.wait(work, kind)
+    else:
+        work.wait()
