@@ -51,9 +51,9 @@ def _one_step(rank, world, stage, gas):
             "steps": xc.global_steps}
 
 
-@pytest.mark.parametrize("world,stage,gas", [(2, 0, 1), (2, 1, 1), (2, 2, 2), (3, 0, 2), (3, 2, 1)])
-def test_step_moves_each_shard_by_its_own_gradient(pools, world, stage, gas):
-    res = pools(world).run(_one_step, stage, gas)
+def check_one_step_against_reference(res: list, world: int, gas: int):
+    """Float64 reference of one optimizer step over ``gas`` micro-batches: checks every rank's
+    micro-batch losses and step count, returns (backbone weight, head weight) with their gradients."""
     a0 = _backbone().weight.detach().double().requires_grad_()
     w0 = init_shard(C, D, 0, C, 0.5, SEED, torch.float64).requires_grad_()
     total = 0.0
@@ -65,9 +65,17 @@ def test_step_moves_each_shard_by_its_own_gradient(pools, world, stage, gas):
             assert r["losses"][micro] == pytest.approx(lm.item(), rel=1e-5)
         total = total + lm / gas
     total.backward()
+    for r in res:
+        assert r["steps"] == 1
+    return a0, w0
+
+
+@pytest.mark.parametrize("world,stage,gas", [(2, 0, 1), (2, 1, 1), (2, 2, 2), (3, 0, 2), (3, 2, 1)])
+def test_step_moves_each_shard_by_its_own_gradient(pools, world, stage, gas):
+    res = pools(world).run(_one_step, stage, gas)
+    a0, w0 = check_one_step_against_reference(res, world, gas)
     for rank, r in enumerate(res):
         start, n = shard_range(C, world, rank)
-        assert r["steps"] == 1
         torch.testing.assert_close(r["w0"].double(), w0.detach()[start: start + n])
         expected = w0.detach()[start: start + n] - LR_HEAD * w0.grad[start: start + n]
         torch.testing.assert_close(r["w1"].double(), expected, rtol=1e-5, atol=1e-6)

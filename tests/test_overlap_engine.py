@@ -7,9 +7,8 @@ import torch
 
 import ds_xc
 from ds_xc.engine import check_supported
-from ds_xc.head import init_shard, shard_range
-from tests.reference import LOSSES, per_row_loss
-from tests.test_engine import LR_BODY, LR_HEAD, SEED, _backbone, _batch, _config
+from ds_xc.head import shard_range
+from tests.test_engine import LR_BODY, LR_HEAD, _backbone, _batch, _config, check_one_step_against_reference
 
 C, D = 23, 6
 
@@ -43,20 +42,9 @@ def _one_step(rank, world, gas, num_chunks, chunk_backbone, reduce, stage=0):
 def test_overlapped_engine_step_matches_reference(pools, world, gas, num_chunks, chunk_backbone, reduce, stage):
     """ZeRO 2 (the engine reduces): only the head's communication is overlapped."""
     res = pools(world).run(_one_step, gas, num_chunks, chunk_backbone, reduce, stage)
-    a0 = _backbone().weight.detach().double().requires_grad_()
-    w0 = init_shard(C, D, 0, C, 0.5, SEED, torch.float64).requires_grad_()
-    total = 0.0
-    for micro in range(gas):
-        xs, ys = zip(*(_batch(micro, r) for r in range(world)))
-        x, y = torch.cat(xs).double(), torch.cat(ys)
-        lm = per_row_loss(x @ a0.t(), w0, y, LOSSES["cosface"]).mean()
-        for r in res:
-            assert r["losses"][micro] == pytest.approx(lm.item(), rel=1e-5)
-        total = total + lm / gas
-    total.backward()
+    a0, w0 = check_one_step_against_reference(res, world, gas)
     for rank, r in enumerate(res):
         start, n = shard_range(C, world, rank)
-        assert r["steps"] == 1
         expected = w0.detach()[start: start + n] - LR_HEAD * w0.grad[start: start + n]
         torch.testing.assert_close(r["w1"].double(), expected, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(r["a1"].double(), a0.detach() - LR_BODY * a0.grad, rtol=1e-5, atol=1e-6)
