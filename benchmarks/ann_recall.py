@@ -15,13 +15,14 @@ Measured per setting, on ``--queries`` held-out queries in batches of ``--batch`
   list of top_k classes (what the sampler puts into the active set; the library metric
   ``recall_retrieved@10``);
 * ``10@10``: the share present in the first 10 retrieved (strict nearest-neighbour recall);
-* ``lists``: the share of the exact top-10 whose inverted list is among the nprobe probed
-  (the ceiling that the inverted file puts on the recall);
+* ``lists``: the share of the exact top-10 whose inverted list is among the probed ones
+  (the ceiling that the inverted file puts on the recall); ``rows scanned`` per query;
 * ``ms/batch``: median wall time of ``retrieve`` for one batch (encode, probe, scan,
   re-rank), and the index build time.
 
-Sweeps: nprobe x code_bits (rerank and top_k at the defaults), then rerank at the default
-bits and nprobe. Plots recall against time per batch (PNG).
+Sweeps: nprobe x code_bits with scan_rows 0 (the inverted file alone; rerank and top_k at
+the defaults), then scan_rows (the per-query row budget) and rerank at the other defaults.
+Plots recall against time per batch (PNG).
 
     python benchmarks/ann_recall.py
     python benchmarks/ann_recall.py --tasks text --nprobe 8,32 --bits 128,256
@@ -108,7 +109,7 @@ def measure(sampler, queries, weight, exact10, batch: int, repeats: int) -> dict
     import torch.nn.functional as F
 
     q = F.normalize(queries.float(), dim=1)
-    hits_k = hits_10 = hits_list = 0
+    hits_k = hits_10 = hits_list = scanned = 0
     times = []
     index = sampler.index
     list_of_row = torch.empty(weight.shape[0], dtype=torch.int64)
@@ -124,11 +125,12 @@ def measure(sampler, queries, weight, exact10, batch: int, repeats: int) -> dict
         ex = exact10[a: a + batch]  # (n, 10)
         hits_k += int((ex[:, :, None] == got[:, None, :]).any(dim=2).sum())
         hits_10 += int((ex[:, :, None] == got[:, None, :10]).any(dim=2).sum())
-        probes = torch.topk(index.unit_queries(qb) @ index.centroids.t(), nprobe, dim=1).indices  # as search()
+        probes = index.probe(index.unit_queries(qb), nprobe, sampler.config.scan_rows)  # as search()
         hits_list += int((list_of_row[ex][:, :, None] == probes[:, None, :]).any(dim=2).sum())
+        scanned += int(torch.where(probes >= 0, sizes[probes.clamp_min(0)], 0).sum())
     n = q.shape[0] * exact10.shape[1]
     return {"recall_k": hits_k / n, "recall_10": hits_10 / n, "lists": hits_list / n,
-            "ms": 1e3 * statistics.median(times)}
+            "scanned": scanned / q.shape[0], "ms": 1e3 * statistics.median(times)}
 
 
 def sweep(args, task_name: str) -> dict:
@@ -146,7 +148,7 @@ def sweep(args, task_name: str) -> dict:
     rows = []
     defaults = parse_sampler({"type": "ann"})
 
-    def run(bits: int, nprobe_list: list, rerank: int, top_k: int, tag: str):
+    def run(bits: int, nprobe_list: list, rerank: int, top_k: int, tag: str, scan_list=(0,)):
         cfg = {"type": "ann", "code_bits": bits, "rerank": rerank, "top_k": top_k}
         sampler = build_sampler(cfg, num, 0, args.seed, 0)
         sampler.metric = metric
@@ -154,28 +156,32 @@ def sweep(args, task_name: str) -> dict:
         sampler.rebuild(weight)
         build_s = time.perf_counter() - t
         for nprobe in nprobe_list:
-            sampler.config = sampler.config.model_copy(update={"nprobe": nprobe})
-            m = measure(sampler, queries, weight, exact10, args.batch, args.repeats)
-            m.update(task=task_name, bits=bits, nprobe=nprobe, rerank=rerank, top_k=top_k, build_s=build_s,
-                     nlist=sampler.index.centroids.shape[0], sweep=tag, load=load_average())
-            rows.append(m)
-            print(f"[{task_name}] {tag}: bits {bits} nprobe {nprobe} rerank {rerank} top_k {top_k}: recall@10 in "
-                  f"top_k {m['recall_k']:.3f}, 10@10 {m['recall_10']:.3f}, lists {m['lists']:.3f}, "
-                  f"{m['ms']:.1f} ms/batch", flush=True)
+            for scan in scan_list:
+                sampler.config = sampler.config.model_copy(update={"nprobe": nprobe, "scan_rows": scan})
+                m = measure(sampler, queries, weight, exact10, args.batch, args.repeats)
+                m.update(task=task_name, bits=bits, nprobe=nprobe, rerank=rerank, top_k=top_k, scan_rows=scan,
+                         build_s=build_s, nlist=sampler.index.centroids.shape[0], sweep=tag, load=load_average())
+                rows.append(m)
+                print(f"[{task_name}] {tag}: bits {bits} nprobe {nprobe} scan_rows {scan} rerank {rerank} top_k "
+                      f"{top_k}: recall@10 in top_k {m['recall_k']:.3f}, 10@10 {m['recall_10']:.3f}, lists "
+                      f"{m['lists']:.3f}, {m['scanned']:.0f} rows scanned, {m['ms']:.1f} ms/batch", flush=True)
 
-    for bits in args.bits_list:
-        run(bits, args.nprobe_list, defaults.rerank, defaults.top_k, "nprobe x bits")
+    d = defaults
+    for bits in args.bits_list:  # the inverted file alone: nprobe lists, no row budget
+        run(bits, args.nprobe_list, d.rerank, d.top_k, "nprobe x bits")
+    run(d.code_bits, [d.nprobe], d.rerank, d.top_k, "scan_rows", sorted(set(args.scan_list) - {0}))
     for rerank in args.rerank_list:
-        if rerank != defaults.rerank:
-            run(defaults.code_bits, [defaults.nprobe], rerank, defaults.top_k, "rerank")
+        if rerank != d.rerank:
+            run(d.code_bits, [d.nprobe], rerank, d.top_k, "rerank", [d.scan_rows])
     return {"task": task_name, "rows": rows, "num_classes": num, "metric": metric, "loss": loss,
             "train": {"top1": res["top1"], "steps": res["steps"]}, "queries": queries.shape[0],
-            "defaults": {k: getattr(defaults, k) for k in ("code_bits", "nprobe", "rerank", "top_k", "nlist")}}
+            "defaults": {k: getattr(d, k) for k in ("code_bits", "nprobe", "scan_rows", "rerank", "top_k", "nlist")}}
 
 
 # ---------------------------------------------------------------------------- report
 def _is_default(r: dict, d: dict) -> bool:
-    return (r["bits"], r["nprobe"], r["rerank"], r["top_k"]) == (d["code_bits"], d["nprobe"], d["rerank"], d["top_k"])
+    keys = ("code_bits", "nprobe", "scan_rows", "rerank", "top_k")
+    return (r["bits"], r["nprobe"], r["scan_rows"], r["rerank"], r["top_k"]) == tuple(d[k] for k in keys)
 
 
 def render(tasks: list, args, command: str, started: str, wall_s: float) -> str:
@@ -200,21 +206,27 @@ def render(tasks: list, args, command: str, started: str, wall_s: float) -> str:
         default = next((r for r in t["rows"] if _is_default(r, d)), None)
         if default is not None:
             ok = default["recall_k"] >= TARGET
-            lines += [f"At the defaults (code_bits {d['code_bits']}, nprobe {d['nprobe']}, rerank {d['rerank']}, "
+            lines += [f"At the defaults (code_bits {d['code_bits']}, nprobe {d['nprobe']}, scan_rows {d['scan_rows']}, "
+                      f"rerank {d['rerank']}, "
                       f"top_k {d['top_k']}, nlist {default['nlist']} = round(sqrt(C))): recall@10 in top_k "
                       f"**{default['recall_k']:.3f}** (target >= {TARGET}: **{'met' if ok else 'NOT met'}**), "
                       f"10@10 {default['recall_10']:.3f}, lists {default['lists']:.3f}, "
+                      f"{default['scanned']:,.0f} rows scanned per query, "
                       f"{default['ms']:.1f} ms per batch of {args.batch}.", ""]
-        lines += ["| sweep | code_bits | nprobe | rerank | top_k | recall@10 in top_k | 10@10 | lists | ms/batch | "
-                  "build s | load |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        lines += ["| sweep | code_bits | nprobe | scan_rows | rerank | top_k | recall@10 in top_k | 10@10 | lists | "
+                  "rows scanned | ms/batch | build s | load |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in t["rows"]:
             mark = " (default)" if _is_default(r, d) else ""
-            lines.append(f"| {r['sweep']}{mark} | {r['bits']} | {r['nprobe']} | {r['rerank']} | {r['top_k']} | "
-                         f"{r['recall_k']:.3f} | {r['recall_10']:.3f} | {r['lists']:.3f} | {r['ms']:.1f} | "
-                         f"{r['build_s']:.1f} | {r['load']} |")
+            lines.append(f"| {r['sweep']}{mark} | {r['bits']} | {r['nprobe']} | {r['scan_rows']} | {r['rerank']} | "
+                         f"{r['top_k']} | {r['recall_k']:.3f} | {r['recall_10']:.3f} | {r['lists']:.3f} | "
+                         f"{r['scanned']:,.0f} | {r['ms']:.1f} | {r['build_s']:.1f} | {r['load']} |")
         lines.append("")
-    lines += ["`lists` bounds what any code length can reach at that nprobe; the gap between `lists` and "
-              "`recall@10 in top_k` is what the Hamming ranking (code_bits) and the re-rank depth lose.", ""]
+    lines += ["`lists` bounds what any code length can reach with those probes; the gap between `lists` and "
+              "`recall@10 in top_k` is what the Hamming ranking (code_bits) and the re-rank depth lose. The "
+              "`nprobe x bits` grid runs with scan_rows 0 (the inverted file alone); `scan_rows` adds lists "
+              "in centroid order until that many rows are scanned per query (a shard of at most scan_rows rows is "
+              "scanned flat).", ""]
     return "\n".join(lines) + "\n"
 
 
@@ -234,11 +246,16 @@ def plot(tasks: list, path: str) -> None:
             for r in pts:
                 ax.annotate(str(r["nprobe"]), (r["ms"], r["recall_k"]), fontsize=6, xytext=(2, -8),
                             textcoords="offset points")
-        rer = sorted((r for r in t["rows"] if r["sweep"] == "rerank" or (r["sweep"] == "nprobe x bits"
-                      and r["bits"] == d["code_bits"] and r["nprobe"] == d["nprobe"])), key=lambda r: r["rerank"])
+        scan = sorted((r for r in t["rows"] if r["sweep"] == "scan_rows"), key=lambda r: r["scan_rows"])
+        if scan:
+            ax.plot([r["ms"] for r in scan], [r["recall_k"] for r in scan], color="black", linestyle="--",
+                    marker="^", label=f"scan_rows {'/'.join(str(r['scan_rows']) for r in scan)} "
+                    f"({d['code_bits']} bits)")
+        rer = sorted((r for r in t["rows"] if r["sweep"] == "rerank" or (r["sweep"] == "scan_rows"
+                      and r["scan_rows"] == d["scan_rows"])), key=lambda r: r["rerank"])
         if len(rer) > 1:
             ax.plot([r["ms"] for r in rer], [r["recall_k"] for r in rer], color="grey", linestyle=":", marker="s",
-                    label=f"rerank {'/'.join(str(r['rerank']) for r in rer)} ({d['code_bits']} bits, nprobe {d['nprobe']})")
+                    label=f"rerank {'/'.join(str(r['rerank']) for r in rer)} (defaults otherwise)")
         default = next((r for r in t["rows"] if _is_default(r, d)), None)
         if default is not None:
             ax.plot([default["ms"]], [default["recall_k"]], marker="*", markersize=16, color="black",
@@ -264,7 +281,9 @@ def parse_args(argv=None):
     p.add_argument("--tasks", default="synthetic,text")
     p.add_argument("--nprobe", default="1,2,4,8,16,32,64,128", help="nprobe values")
     p.add_argument("--bits", default="64,128,256,512", help="code_bits values")
-    p.add_argument("--rerank", default="0,64,256,1024", help="rerank depths at the default bits and nprobe")
+    p.add_argument("--rerank", default="0,64,192,1024", help="rerank depths at the other defaults")
+    p.add_argument("--scan_rows", default="4096,16384,32768,65536",
+                   help="scan_rows values at the default bits, nprobe and rerank")
     p.add_argument("--queries", type=int, default=4096, help="held-out queries per task")
     p.add_argument("--batch", type=int, default=512, help="queries per retrieve call (the global batch)")
     p.add_argument("--repeats", type=int, default=3, help="timed calls on the first batch")
@@ -283,6 +302,7 @@ def parse_args(argv=None):
     args.eval_every = sa._per_task(args.eval_every, int)
     if args.smoke:
         args.tasks, args.nprobe, args.bits, args.rerank = "text", "4,32", "64,256", "0"
+        args.scan_rows = "4096,65536"
         args.num_classes, args.steps, args.eval_every = {"text": 2000}, {"text": 20}, {"text": 10}
         args.work_dir = os.path.join(args.work_dir, "smoke")
         args.queries, args.out, args.plot = 1024, args.out or "-", args.plot or "-"
@@ -292,6 +312,7 @@ def parse_args(argv=None):
     args.nprobe_list = [int(v) for v in args.nprobe.split(",") if v.strip()]
     args.bits_list = [int(v) for v in args.bits.split(",") if v.strip()]
     args.rerank_list = [int(v) for v in args.rerank.split(",") if v.strip()]
+    args.scan_list = [int(v) for v in args.scan_rows.split(",") if v.strip()]
     return args
 
 

@@ -116,14 +116,18 @@ class AnnSampler(_Section):
     type: Literal["ann"]
     sample_rate: float = Field(0.1, gt=0.0, le=1.0,
                                description="Active classes per shard and group = ceil(sample_rate * num_local).")
-    code_bits: int = Field(256, ge=32, le=1024, multiple_of=32, description="Bits of each binary code.")
+    code_bits: int = Field(512, ge=32, le=1024, multiple_of=32, description="Bits of each binary code.")
     rotation: Literal["random", "itq"] = Field(
         "random", description="random: random orthogonal rotation then sign (SimHash); itq: rotation "
         "learned by iterative quantisation (needs code_bits <= embedding_dim).")
     nlist: int = Field(0, ge=0, description="Inverted lists (spherical k-means centroids); 0 = round(sqrt(num_local)).")
-    nprobe: int = Field(32, ge=1, description="Lists scanned per query (capped at nlist).")
+    nprobe: int = Field(32, ge=1, description="Lists scanned per query at least (capped at nlist).")
+    scan_rows: int = Field(65536, ge=0, description="Rows scanned per query at least: beyond the nprobe "
+                           "lists, the next lists by centroid score are added until this many rows are "
+                           "covered, so shards up to this size are scanned flat (the scan costs ~3 ns "
+                           "per row and query at 512 bits on one CPU core); 0 = nprobe lists only.")
     top_k: int = Field(64, ge=1, le=4096, description="Classes retrieved per sample.")
-    rerank: int = Field(256, ge=0, le=16384, description="Candidates per sample re-ranked by the exact "
+    rerank: int = Field(192, ge=0, le=16384, description="Candidates per sample re-ranked by the exact "
                         "cosine before keeping top_k (0 = rank by Hamming distance only).")
     retrieved_share: float = _retrieved_share_field("retrieved classes")
     groups: int = Field(1, ge=1, le=1024, description="Sample groups G: the global batch is split into G "

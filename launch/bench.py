@@ -18,7 +18,7 @@ the time each part took. Parts (``--parts``, default all):
   (benchmarks/compression_accuracy.py);
 * ``head``: head step time and peak memory against the number of classes, exact chunked
   vs ANN-sampled lazy head, one process (measured here);
-* ``recall``: ANN recall@10 against nprobe and code bits on the trained text head
+* ``recall``: ANN recall@10 against nprobe and code bits on the trained synthetic and text heads
   (benchmarks/ann_recall.py, reusing the ``samplers`` part's exact run).
 
 Runs are cached in ``--work_dir`` (a rerun of the report reuses finished training runs;
@@ -73,7 +73,7 @@ def sizes(args) -> dict:
         return {"steps": 20, "eval_every": 10, "synthetic_classes": 2000, "text_classes": 2000,
                 "compression_steps": 10, "head_classes": [2000, 8000], "queries": 512}
     return {"steps": max(20, int(150 * s)), "eval_every": max(10, int(50 * s)),
-            "synthetic_classes": int(10_000 * s), "text_classes": min(int(20_000 * s), 20_000),
+            "synthetic_classes": int(50_000 * s), "text_classes": min(int(20_000 * s), 20_000),
             "compression_steps": max(10, int(150 * s)),
             "head_classes": [int(c * s) for c in (10_000, 30_000, 100_000, 300_000)], "queries": 2048}
 
@@ -198,12 +198,15 @@ def part_head(args, sz, out) -> dict:
 
 def part_recall(args, sz, out) -> dict:
     import ann_recall as ar
-    ar.main(["--tasks", "text", "--nprobe", "1,4,16,64", "--bits", "128,256", "--rerank", "0,256",
-             "--queries", str(sz["queries"]), "--num_classes", f"text={sz['text_classes']}",
+    tasks = "text" if args.smoke else "synthetic,text"
+    ar.main(["--tasks", tasks, "--nprobe", "1,4,16,64", "--bits", "256,512", "--rerank", "0,192",
+             "--scan_rows", "4096,16384,65536",
+             "--queries", str(sz["queries"]),
+             "--num_classes", f"synthetic={sz['synthetic_classes']},text={sz['text_classes']}",
              "--steps", str(sz["steps"]), "--eval_every", str(sz["eval_every"]), "--seed", str(args.seed),
              "--work_dir", args.work_dir, "--out", os.path.join(out, "recall.md"),
              "--plot", os.path.join(out, "recall.png")])
-    return {"md": "recall.md", "png": "recall.png", "title": "ANN recall@10 against nprobe and code bits (text)"}
+    return {"md": "recall.md", "png": "recall.png", "title": "ANN recall@10 against nprobe and code bits"}
 
 
 RUNNERS = {"samplers": part_samplers, "rates": part_rates, "compression": part_compression, "head": part_head,

@@ -81,6 +81,37 @@ def test_search_with_every_list_probed_equals_brute_force():
     assert torch.equal(ids, ref_ids)
 
 
+def test_probe_adds_lists_in_score_order_until_scan_rows():
+    w = clustered(2000, 32)
+    index = AnnIndex(32, 64, nlist=20, seed=1, backend="torch")
+    index.build(w)
+    q = F.normalize(clustered(30, 32, seed=5), dim=1)
+    sizes = (index.list_offsets[1:] - index.list_offsets[:-1]).tolist()
+    got = index.probe(q, nprobe=2, scan_rows=500)
+    scores = q @ index.centroids.t()
+    for i in range(30):
+        order = torch.argsort(scores[i], descending=True).tolist()
+        want, rows = [], 0
+        for j, lst in enumerate(order):  # reference: at least nprobe lists, then until 500 rows
+            if j >= 2 and rows >= 500:
+                break
+            want.append(lst)
+            rows += sizes[lst]
+        row = got[i].tolist()
+        assert row[: len(want)] == want and all(v == -1 for v in row[len(want):])
+    assert torch.equal(index.probe(q, nprobe=3, scan_rows=0), torch.topk(scores, 3, dim=1).indices)
+
+
+def test_scan_rows_covering_the_shard_scans_flat():
+    w = clustered(2000, 32)
+    index = AnnIndex(32, 128, nlist=20, seed=1, backend="torch")
+    index.build(w)
+    q = clustered(50, 32, seed=9)
+    ids = index.search(q, nprobe=1, k=15, scan_rows=2000)  # the whole shard is within budget
+    _, ref_ids = hamming_topk_flat(encode(q, index.projection), encode(w, index.projection), 15, backend="torch")
+    assert torch.equal(ids, ref_ids)
+
+
 def test_refresh_re_encodes_changed_rows_in_place():
     w = clustered(1000, 32)
     index = AnnIndex(32, 64, nlist=10, seed=0, backend="torch")

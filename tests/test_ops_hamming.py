@@ -185,6 +185,20 @@ def test_cpu_and_faiss_equal_torch_at_scale(cpu_op, bits):
     assert_same(H.hamming_topk_ivf(*args, k, backend="faiss"), want)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_query_blocks_equal_torch(cpu_op, threads):
+    """The C++ scan works list-major in blocks of queries sized by k (here k = 9000: blocks of
+    29 queries), with queries sharing most lists; every block must equal the reference."""
+    args, k = make_ivf(11, 64, n=150, rows=12000, nlist=12, nprobe=9, k=9000)
+    want = H.hamming_topk_ivf(*args, k, backend="torch")
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert_same(H.hamming_topk_ivf(*args, k, backend="cpu"), want)
+    finally:
+        torch.set_num_threads(old)
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("name", SCENARIOS)

@@ -5,14 +5,15 @@
 // is the k candidates of smallest (distance, id), ascending, padded with
 // (code_bits + 1, -1).
 //
-// Per query (OpenMP over queries, one workspace per thread), one pass over the probed
-// codes (xor + 64-bit popcount, or 32-bit words when code_bits % 64 != 0) with a bounded
-// selection: a buffer of at most `cap` = max(2k, k + 64) (distance, id) pairs receives
+// OpenMP over blocks of queries; inside a block the probed lists are visited in list order
+// and each is scanned for every query of the block that probes it (scan_block), one pass
+// per query over its probed codes (xor + 64-bit popcount, or 32-bit words when
+// code_bits % 64 != 0) with a bounded selection: a buffer of at most `cap` = max(2k, k + 64) (distance, id) pairs receives
 // every candidate at distance <= bound; when it is full, nth_element keeps its k
 // smallest pairs and bound becomes the largest distance kept (a candidate at that
 // distance can still enter with a smaller id). Candidates above the bound cost one
 // compare, so after the first few lists the scan is a popcount per row. At the end the
-// k smallest pairs are sorted. Memory per thread: O(k), whatever the candidate count.
+// k smallest pairs are sorted. Memory per thread: O(block * k + block * nprobe).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -70,10 +71,6 @@ struct Args {
 
 using Pair = std::pair<int32_t, int64_t>;  // (distance, id), ordered lexicographically
 
-struct Workspace {
-  std::vector<Pair> buf;  // candidates at distance <= bound; size < cap
-};
-
 // Keeps the k smallest pairs of buf (unordered) and returns the largest distance kept.
 inline int32_t shrink(std::vector<Pair>& buf, int k) {
   std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.end());
@@ -81,30 +78,23 @@ inline int32_t shrink(std::vector<Pair>& buf, int k) {
   return buf[k - 1].first;  // nth_element puts the k-th smallest at k - 1, smaller before
 }
 
+// The candidates of one query inside one list [begin, end) go through the bounded selection.
 template <typename Word, int NW>
-void scan_query(const Args& a, int64_t i, Workspace& ws) {
-  const Hamming<Word, NW> ham(a.q + i * a.nbytes, a.nbytes);
-  const int bits = a.nbytes * 8;
-  const size_t cap = std::max<size_t>(2 * static_cast<size_t>(a.k), a.k + 64);
-  const int64_t* pr = a.probes + i * a.nprobe;
-  std::vector<Pair>& buf = ws.buf;
-  buf.clear();
-  int32_t bound = bits;  // no candidate is excluded until k are known
-
-  for (int64_t j = 0; j < a.nprobe; ++j) {
-    if (pr[j] < 0) continue;
-    const int64_t end = a.offsets[pr[j] + 1];
-    const uint8_t* row = a.codes + a.offsets[pr[j]] * a.nbytes;
-    for (int64_t r = a.offsets[pr[j]]; r < end; ++r, row += a.nbytes) {
-      const int32_t d = ham(row);
-      if (d > bound) continue;
-      buf.emplace_back(d, a.ids[r]);
-      if (buf.size() == cap) bound = shrink(buf, a.k);
-    }
+inline void scan_rows(const Args& a, const Hamming<Word, NW>& ham, int64_t begin, int64_t end, size_t cap,
+                      std::vector<Pair>& buf, int32_t& bound) {
+  const uint8_t* row = a.codes + begin * a.nbytes;
+  for (int64_t r = begin; r < end; ++r, row += a.nbytes) {
+    const int32_t d = ham(row);
+    if (d > bound) continue;
+    buf.emplace_back(d, a.ids[r]);
+    if (buf.size() == cap) bound = shrink(buf, a.k);
   }
+}
+
+void finish_query(const Args& a, int64_t i, std::vector<Pair>& buf) {
+  const int bits = a.nbytes * 8;
   if (buf.size() > static_cast<size_t>(a.k)) shrink(buf, a.k);
   std::sort(buf.begin(), buf.end());
-
   int32_t* od = a.out_d + i * a.k;
   int64_t* oi = a.out_i + i * a.k;
   const int64_t m = static_cast<int64_t>(buf.size());
@@ -114,14 +104,53 @@ void scan_query(const Args& a, int64_t i, Workspace& ws) {
   }
 }
 
+// Queries [q0, q1) scanned list-major: the (list, query) pairs of the block are sorted by
+// list, so each probed list is read from memory once per block and then scanned, from
+// cache, for every query of the block that probes it (with a large nprobe many queries
+// share a list, and a query-major scan would stream the same codes from DRAM again and
+// again). Each query keeps its own buffer and bound across lists; the result, the k
+// smallest (distance, id) pairs, does not depend on the order of the candidates.
+template <typename Word, int NW>
+void scan_block(const Args& a, int64_t q0, int64_t q1, size_t cap, std::vector<std::vector<Pair>>& bufs,
+                std::vector<int32_t>& bounds, std::vector<std::pair<int64_t, int64_t>>& pairs) {
+  const int bits = a.nbytes * 8;
+  pairs.clear();
+  for (int64_t i = q0; i < q1; ++i) {
+    const int64_t* pr = a.probes + i * a.nprobe;
+    for (int64_t j = 0; j < a.nprobe; ++j)
+      if (pr[j] >= 0) pairs.emplace_back(pr[j], i);
+    bufs[i - q0].clear();
+    bounds[i - q0] = bits;  // no candidate is excluded until k are known
+  }
+  std::sort(pairs.begin(), pairs.end());  // by list, then query
+  for (const auto& lq : pairs) {
+    const int64_t i = lq.second;
+    const Hamming<Word, NW> ham(a.q + i * a.nbytes, a.nbytes);
+    scan_rows<Word, NW>(a, ham, a.offsets[lq.first], a.offsets[lq.first + 1], cap, bufs[i - q0],
+                        bounds[i - q0]);
+  }
+  for (int64_t i = q0; i < q1; ++i) finish_query(a, i, bufs[i - q0]);
+}
+
 template <typename Word, int NW>
 void scan_all(const Args& a, int num_threads) {
+  const size_t cap = std::max<size_t>(2 * static_cast<size_t>(a.k), a.k + 64);
+  // Block size: the queries of one thread share their lists, bounded so that the
+  // selection buffers of a block stay within ~8 MiB.
+  const int64_t per_thread = (a.n + num_threads - 1) / num_threads;
+  const int64_t by_memory = std::max<int64_t>(1, (8 << 20) / static_cast<int64_t>(cap * sizeof(Pair)));
+  const int64_t block = std::max<int64_t>(1, std::min(per_thread, by_memory));
+  const int64_t nblocks = (a.n + block - 1) / block;
 #pragma omp parallel num_threads(num_threads)
   {
-    Workspace ws;
-    ws.buf.reserve(std::max<size_t>(2 * static_cast<size_t>(a.k), a.k + 64));
+    std::vector<std::vector<Pair>> bufs(block);
+    for (auto& b : bufs) b.reserve(cap);
+    std::vector<int32_t> bounds(block);
+    std::vector<std::pair<int64_t, int64_t>> pairs;
+    pairs.reserve(block * a.nprobe);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < a.n; ++i) scan_query<Word, NW>(a, i, ws);
+    for (int64_t b = 0; b < nblocks; ++b)
+      scan_block<Word, NW>(a, b * block, std::min(a.n, (b + 1) * block), cap, bufs, bounds, pairs);
   }
 }
 

@@ -70,8 +70,9 @@ def pack(v: torch.Tensor) -> torch.Tensor:
     return ((words * _GATHER_BITS) >> 56).to(torch.uint8)
 
 
-def encode(x: torch.Tensor, projection: torch.Tensor, chunk: int = 1 << 15) -> torch.Tensor:
-    """Packed codes (n, b // 8) uint8 of the rows of x (n, d), in row chunks.
+def encode(x: torch.Tensor, projection: torch.Tensor, chunk: int = 1 << 13) -> torch.Tensor:
+    """Packed codes (n, b // 8) uint8 of the rows of x (n, d), in row chunks (the float
+    projections of a chunk, chunk x b x 4 bytes, are the memory this costs: 16 MiB at 512 bits).
 
     Signs do not depend on the row norms, so x need not be normalised.
     """

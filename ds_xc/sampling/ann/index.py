@@ -6,8 +6,9 @@ Legend: L rows (classes of the shard), d dim, b code bits, c lists, N queries.
 assigns every row to a list and stores the rows' codes in list order (CSR, the layout of
 ops/hamming.py). ``refresh(weight, rows)`` re-encodes rows whose weights changed, in
 place: list membership stays until the next ``build`` (a row's list is a coarse cell,
-its code is what ranks it). ``search(queries, nprobe, k)`` returns, per query, the k rows
-of smallest Hamming distance in its nprobe nearest lists, and ``rerank`` re-orders a
+its code is what ranks it). ``search(queries, nprobe, k, scan_rows)`` returns, per query, the
+k rows of smallest Hamming distance in its nprobe nearest lists (more lists, nearest first,
+until at least scan_rows rows are scanned), and ``rerank`` re-orders a
 longer candidate list by the exact cosine.
 
 Metrics: ``cosine`` (margin losses) indexes the unit weights. ``dot`` (plain softmax,
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ds_xc.sampling.ann.codes import encode, itq_projection, random_projection
-from ds_xc.sampling.ann.ivf import assign, build_lists, spherical_kmeans
+from ds_xc.sampling.ann.ivf import assign, build_lists, kmeans_sample, spherical_kmeans
 from ops.hamming import hamming_topk_ivf
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 __all__ = ["AnnIndex", "exact_cosine_rerank"]
 
 _ITQ_SAMPLE = 20000  # rows used to learn the ITQ rotation
+_BUILD_CHUNK = 1 << 15  # rows assigned and encoded at a time by build()
 
 
 class AnnIndex:
@@ -80,21 +82,30 @@ class AnnIndex:
         """(Re)build everything from the current weights (L, d)."""
         if self.metric == "dot":
             self.max_norm = float(weight.detach().float().norm(dim=1).max().clamp_min(1e-12))
-        wn = self.unit_rows(weight)  # (L, d) (d+1 for dot)
-        rows = wn.shape[0]
+        rows, dev = weight.shape[0], weight.device
         if self.projection is None:
             if self.rotation == "itq":
                 gen = torch.Generator().manual_seed(self.seed + 17)
-                sample = wn[torch.randperm(rows, generator=gen)[:_ITQ_SAMPLE].to(wn.device)]
+                sample = self.unit_rows(weight[torch.randperm(rows, generator=gen)[:_ITQ_SAMPLE].to(dev)])
                 self.projection = itq_projection(sample.cpu(), self.code_bits, 20, self.seed)
             else:
                 self.projection = random_projection(self.dim, self.code_bits, self.seed)
-        self.projection = self.projection.to(wn.device)
+        self.projection = self.projection.to(dev)
         c = self.num_lists(rows)
-        self.centroids = spherical_kmeans(wn, c, self.kmeans_iterations, self.seed + self.builds)
-        offsets, ids = build_lists(assign(wn, self.centroids), c)
+        gen = torch.Generator().manual_seed((self.seed + self.builds) % (2**63))
+        train = self.unit_rows(weight[kmeans_sample(rows, c, gen).to(dev)])  # (<= 64 c, d) unit rows
+        self.centroids = spherical_kmeans(train, c, self.kmeans_iterations, self.seed + self.builds)
+        # Assignment and codes in row chunks: no normalised copy of the whole shard (an
+        # argmax of cosines and the signs of projections ignore the row norms).
+        lists = torch.empty(rows, dtype=torch.int64, device=dev)
+        codes = torch.empty((rows, self.code_bits // 8), dtype=torch.uint8, device=dev)
+        for a in range(0, rows, _BUILD_CHUNK):
+            u = self.unit_rows(weight[a: a + _BUILD_CHUNK], normalise=False)  # (chunk, d)
+            lists[a: a + _BUILD_CHUNK] = assign(u, self.centroids)
+            codes[a: a + _BUILD_CHUNK] = encode(u, self.projection)
+        offsets, ids = build_lists(lists, c)
         self.list_offsets, self.list_ids = offsets, ids
-        self.list_codes = encode(wn, self.projection)[ids]  # (L, b/8) in list order
+        self.list_codes = codes[ids]  # (L, b/8) in list order
         self.position = torch.empty_like(ids)
         self.position[ids] = torch.arange(rows, device=ids.device)  # row -> slot in list order
         self.builds += 1
@@ -112,13 +123,36 @@ class AnnIndex:
                                                       self.projection)
 
     @torch.no_grad()
-    def search(self, queries: torch.Tensor, nprobe: int, k: int) -> torch.Tensor:
-        """Local row ids (N, k) of smallest Hamming distance in each query's nprobe lists (-1: none).
+    def probe(self, unit_queries: torch.Tensor, nprobe: int, scan_rows: int = 0) -> torch.Tensor:
+        """Lists to scan per query (N, P), best centroid first, -1 = none.
 
-        queries (N, d) need not be normalised.
+        The nprobe lists of largest centroid score, then further lists in score order while
+        the query has fewer than ``scan_rows`` rows to scan: a budget in rows rather than
+        lists, so a small shard (<= scan_rows rows) is scanned flat and a large one keeps
+        its cost bounded.
+        """
+        scores = unit_queries @ self.centroids.t()  # (N, c)
+        c = scores.shape[1]
+        nprobe = min(nprobe, c)
+        if scan_rows <= 0 or nprobe == c:
+            return torch.topk(scores, nprobe, dim=1).indices
+        sizes = self.list_offsets[1:] - self.list_offsets[:-1]  # (c,)
+        if int(sizes.sum()) <= scan_rows:  # the whole shard is within budget: every list
+            return torch.arange(c, device=scores.device).expand(scores.shape[0], c).contiguous()
+        order = torch.argsort(scores, dim=1, descending=True)  # (N, c)
+        before = torch.cumsum(sizes[order], dim=1) - sizes[order]  # rows scanned before each list
+        keep = before < scan_rows
+        keep[:, :nprobe] = True
+        width = int(keep.sum(dim=1).max())  # keep is a prefix per row
+        return torch.where(keep, order, -1)[:, :width]
+
+    @torch.no_grad()
+    def search(self, queries: torch.Tensor, nprobe: int, k: int, scan_rows: int = 0) -> torch.Tensor:
+        """Local row ids (N, k) of smallest Hamming distance in each query's probed lists
+        (``probe``; -1: none). queries (N, d) need not be normalised.
         """
         q = self.unit_queries(queries)
-        probes = torch.topk(q @ self.centroids.t(), min(nprobe, self.centroids.shape[0]), dim=1).indices
+        probes = self.probe(q, nprobe, scan_rows)
         codes = encode(q, self.projection)  # (N, b/8)
         _, ids = hamming_topk_ivf(codes, self.list_codes, self.list_ids, self.list_offsets, probes, k,
                                   backend=self.backend, check=False)
@@ -155,9 +189,9 @@ def exact_cosine_rerank(queries: torch.Tensor, weight: torch.Tensor, candidates:
         cand = candidates[a: a + chunk]  # (n, R)
         valid = cand >= 0
         w = weight.detach()[cand.clamp_min(0)].float()  # (n, R, d)
-        if metric == "cosine":
-            w = F.normalize(w, dim=2)
         score = torch.bmm(w, queries[a: a + chunk].float().unsqueeze(2)).squeeze(2)  # (n, R)
+        if metric == "cosine":  # divide by the row norms rather than write a normalised copy of w
+            score = score / torch.linalg.vector_norm(w, dim=2).clamp_min(1e-12)
         score = score.masked_fill(~valid, float("-inf"))
         top = torch.topk(score, min(k, cand.shape[1]), dim=1)
         picked = cand.gather(1, top.indices)

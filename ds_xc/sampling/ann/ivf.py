@@ -13,7 +13,9 @@ import logging
 
 import torch
 
-__all__ = ["spherical_kmeans", "assign", "build_lists"]
+__all__ = ["spherical_kmeans", "kmeans_sample", "assign", "build_lists"]
+
+MAX_POINTS_PER_CENTROID = 64
 
 log = logging.getLogger(__name__)
 
@@ -26,14 +28,23 @@ def assign(x: torch.Tensor, centroids: torch.Tensor, chunk: int = 1 << 15) -> to
     return out
 
 
+def kmeans_sample(n: int, num_centroids: int, gen: torch.Generator,
+                  max_points_per_centroid: int = MAX_POINTS_PER_CENTROID) -> torch.Tensor:
+    """Row ids (sorted) that k-means trains on: all n rows, or max_points_per_centroid * c of them."""
+    c = min(num_centroids, n)
+    if n <= c * max_points_per_centroid:
+        return torch.arange(n)
+    return torch.randperm(n, generator=gen)[: c * max_points_per_centroid].sort().values
+
+
 def spherical_kmeans(x: torch.Tensor, num_centroids: int, iterations: int, seed: int,
-                     max_points_per_centroid: int = 64) -> torch.Tensor:
+                     max_points_per_centroid: int = MAX_POINTS_PER_CENTROID) -> torch.Tensor:
     """(c, d) unit centroids for the unit rows of x (n, d)."""
     n = x.shape[0]
     c = min(num_centroids, n)
     gen = torch.Generator().manual_seed(int(seed) % (2**63))
     if n > c * max_points_per_centroid:
-        x = x[torch.randperm(n, generator=gen)[: c * max_points_per_centroid].to(x.device)]
+        x = x[kmeans_sample(n, c, gen, max_points_per_centroid).to(x.device)]
         n = x.shape[0]
     cent = x[torch.randperm(n, generator=gen)[:c].to(x.device)].clone()  # (c, d)
     for _ in range(iterations):

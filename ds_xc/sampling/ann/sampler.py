@@ -138,9 +138,9 @@ class AnnSampler(Sampler):
         c = self.config
         k = min(c.top_k, self.num_local)
         if c.rerank:
-            cand = self.index.search(queries, c.nprobe, min(c.rerank, self.num_local))
+            cand = self.index.search(queries, c.nprobe, min(c.rerank, self.num_local), c.scan_rows)
             return exact_cosine_rerank(queries, weight, cand, k, metric=self.metric)
-        return self.index.search(queries, c.nprobe, k)
+        return self.index.search(queries, c.nprobe, k, c.scan_rows)
 
     def sample(self, labels, embeddings, weight) -> ActiveSet:
         local, mine = local_targets(labels, self.class_start, self.num_local)
