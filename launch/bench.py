@@ -132,58 +132,88 @@ def part_compression(args, sz, out) -> dict:
     return {"md": "compression.md", "png": None, "title": "Compressed vs dense backbone gradients (2 ranks)"}
 
 
-def part_head(args, sz, out) -> dict:
-    """Step time and peak memory of the exact chunked head and the ANN lazy head against C (one process)."""
-    from benchmarks.harness import hwm_bytes, peak_reset_works, reset_peak
+HEAD_VARIANTS = {"exact chunked": ({"type": "full"}, "dense"),
+                 "ann 0.1 (lazy)": ({"type": "ann", "sample_rate": 0.1}, "lazy")}
+
+
+def head_case(classes: int, variant: str, seed: int, batch: int = 512, dim: int = 128) -> dict:
+    """One head configuration, measured in the calling process (a fresh one: see part_head)."""
+    from benchmarks.harness import hwm_bytes, reset_peak, rss_bytes
     import torch
     from ds_xc import ClassParallelHead, build_head_optimizer
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    ok_peak = peak_reset_works()
+    sampler, update = HEAD_VARIANTS[variant]
+    start = rss_bytes()
+    head = ClassParallelHead(dim, classes, loss={"type": "arcface", "scale": 64.0, "margin": 0.5},
+                             sampler=sampler, chunk_size=128, update=update, seed=seed)
+    opt = build_head_optimizer(head, {"type": "sgd", "lr": 0.1, "momentum": 0.9, "update": update})
+    gen = torch.Generator().manual_seed(seed)
+    times = []
+    for step in range(5):
+        x = torch.randn(batch, dim, generator=gen, requires_grad=True)
+        y = torch.randint(0, classes, (batch,), generator=gen)
+        if step == 2:
+            persistent = rss_bytes()  # weights, momentum, index
+            reset_peak()
+        t = time.perf_counter()
+        head(x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t)
+    tensors = [head.weight] + [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]
+    index = getattr(head.sampler, "index", None)
+    if index is not None:
+        tensors += [t for t in index.state_dict().values() if torch.is_tensor(t)]
+    return {"classes": classes, "variant": variant, "step_s": min(times[2:]), "threads": torch.get_num_threads(),
+            "persistent_mib": sum(t.numel() * t.element_size() for t in tensors) / 2**20,
+            "rss_mib": (persistent - start) / 2**20, "peak_mib": (hwm_bytes() - persistent) / 2**20}
+
+
+def part_head(args, sz, out) -> dict:
+    """Step time and memory of the exact chunked head and the ANN lazy head against C.
+
+    Each configuration runs in a fresh process with a fixed malloc mmap threshold, so
+    that large temporaries are mapped and unmapped (visible in VmHWM) rather than reused
+    from a heap that earlier configurations grew."""
+    import subprocess
+    from benchmarks.harness import peak_reset_works
+    if not peak_reset_works():
+        raise RuntimeError("part head: /proc/self/clear_refs does not reset VmHWM on this machine")
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     rows = []
     batch, dim = 512, 128
-    variants = {"exact chunked": ({"type": "full"}, "dense"),
-                "ann 0.1 (lazy)": ({"type": "ann", "sample_rate": 0.1}, "lazy")}
     for classes in sz["head_classes"]:
-        for name, (sampler, update) in variants.items():
-            head = ClassParallelHead(dim, classes, loss={"type": "arcface", "scale": 64.0, "margin": 0.5},
-                                     sampler=sampler, chunk_size=128, update=update, seed=args.seed)
-            opt = build_head_optimizer(head, {"type": "sgd", "lr": 0.1, "momentum": 0.9, "update": update})
-            gen = torch.Generator().manual_seed(args.seed)
-            times = []
-            for step in range(4):
-                x = torch.randn(batch, dim, generator=gen, requires_grad=True)
-                y = torch.randint(0, classes, (batch,), generator=gen)
-                if step == 2 and ok_peak:
-                    reset_peak()
-                    base = hwm_bytes()
-                t = time.perf_counter()
-                head(x, y).backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                times.append(time.perf_counter() - t)
-            peak = (hwm_bytes() - base) if ok_peak else float("nan")
-            rows.append({"classes": classes, "variant": name, "step_s": min(times[2:]), "peak_mib": peak / 2**20})
-            print(f"head {name} C={classes}: {rows[-1]['step_s']:.3f} s, +{rows[-1]['peak_mib']:.0f} MiB", flush=True)
-            del head, opt
+        for name in HEAD_VARIANTS:
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "_head_case",
+                                   json.dumps([classes, name, args.seed])], env=env, capture_output=True,
+                                  text=True, check=True)
+            rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            print(f"head {name} C={classes}: {rows[-1]['step_s']:.3f} s, step +{rows[-1]['peak_mib']:.0f} MiB, "
+                  f"persistent {rows[-1]['persistent_mib']:.0f} MiB", flush=True)
     lines = ["# Head step against the number of classes", "",
-             f"One process, {torch.get_num_threads()} threads, global batch {batch}, d={dim}, ArcFace; the exact head "
-             "with fused chunked logits (chunk 128, dense SGD momentum), the ANN head at sample rate 0.1 with lazy "
-             "SGD momentum (index build at the first step, not timed). Step = forward + backward + optimizer step, "
-             "best of steps 3-4; memory = peak resident memory above the step's start (VmHWM), i.e. what one step "
-             "adds on top of the weights and optimizer state.", "",
-             "| classes | variant | step s | step memory MiB |", "|---:|---|---:|---:|"]
-    lines += [f"| {r['classes']:,} | {r['variant']} | {r['step_s']:.3f} | {r['peak_mib']:.0f} |" for r in rows]
+             f"One process per configuration (fresh, {rows[0]['threads']} threads, malloc mmap threshold fixed at "
+             f"64 KiB), global batch {batch}, d={dim}, ArcFace; the exact head with fused chunked logits (chunk 128, "
+             "dense SGD momentum), the ANN head at sample rate 0.1 with lazy SGD momentum (index build at the first "
+             "step, not timed). Step = forward + backward + optimizer step, best of steps 3-5. `persistent` = "
+             "the tensors kept between steps (weights, momentum, index); `step memory` = peak resident memory over "
+             "steps 3-5 (VmHWM) above the resident memory before step 3, what a step adds.", "",
+             "| classes | variant | step s | persistent MiB | step memory MiB |", "|---:|---|---:|---:|---:|"]
+    lines += [f"| {r['classes']:,} | {r['variant']} | {r['step_s']:.3f} | {r['persistent_mib']:.0f} | "
+              f"{r['peak_mib']:.0f} |" for r in rows]
     with open(os.path.join(out, "head_scaling.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name, color in zip(variants, ("black", "tab:red")):
+    for name, color in zip(HEAD_VARIANTS, ("black", "tab:red")):
         rs = [r for r in rows if r["variant"] == name]
         axes[0].plot([r["classes"] for r in rs], [r["step_s"] for r in rs], marker="o", color=color, label=name)
-        axes[1].plot([r["classes"] for r in rs], [r["peak_mib"] for r in rs], marker="o", color=color, label=name)
-    for ax, label in zip(axes, ("step time (s)", "step memory (MiB)")):
+        axes[1].plot([r["classes"] for r in rs], [max(r["peak_mib"], 1.0) for r in rs], marker="o", color=color,
+                     label=f"{name}: step")
+        axes[1].plot([r["classes"] for r in rs], [max(r["persistent_mib"], 1.0) for r in rs], marker="s",
+                     color=color, linestyle="--", label=f"{name}: persistent")
+    for ax, label in zip(axes, ("step time (s)", "memory (MiB, log; floor 1)")):
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("classes")
@@ -273,4 +303,7 @@ def write_report(out: str, record: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["_head_case"]:  # one configuration of part_head, in its own process
+        print(json.dumps(head_case(*json.loads(sys.argv[2]))), flush=True)
+    else:
+        main()
