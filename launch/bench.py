@@ -1,6 +1,6 @@
 """One command for the evaluation report: samplers, sample rates, compression, head scaling, recall.
 
-    python launch/bench.py report                      # ~30 min on 2 CPU cores -> docs/report/
+    python launch/bench.py report                      # ~16 min on 2 CPU cores -> docs/report/
     python launch/bench.py report --scale 4 --out /data/report   # bigger tasks (GPU machines)
     python launch/bench.py report --parts samplers,rates --smoke # a minute, to check the plumbing
 
@@ -254,6 +254,7 @@ def machine() -> str:
 
 def main(argv=None) -> str:
     argv = sys.argv[1:] if argv is None else list(argv)
+    from benchmarks.harness import git_rev
     args = parse_args(argv)
     sz = sizes(args)
     out = os.path.abspath(args.out if not args.smoke else os.path.join(args.work_dir, "smoke_report"))
@@ -271,7 +272,7 @@ def main(argv=None) -> str:
         t0 = time.perf_counter()
         print(f"== {name} ==", flush=True)
         info = RUNNERS[name](args, sz, out)
-        record[name] = dict(info, minutes=(time.perf_counter() - t0) / 60, date=started, sizes=sz,
+        record[name] = dict(info, minutes=(time.perf_counter() - t0) / 60, date=started, sizes=sz, git=git_rev(),
                             command=f"python launch/bench.py {' '.join(shlex.quote(a) for a in argv)}")
         with open(record_path, "w") as fh:
             json.dump(record, fh, indent=1)
@@ -282,9 +283,10 @@ def main(argv=None) -> str:
 
 def write_report(out: str, record: dict) -> str:
     """report.md from every part recorded in ``out`` (in PARTS order)."""
-    lines = ["# ds_xc evaluation report", "", f"- machine: {machine()}", "- parts (command, date, minutes):"]
-    lines += [f"  - {n}: `{record[n]['command']}`, {record[n]['date']}, {record[n]['minutes']:.1f} min"
-              for n in PARTS if n in record]
+    lines = ["# ds_xc evaluation report", "", f"- machine: {machine()} (when this file was written)",
+             "- parts (command, date, minutes, git revision it ran at):"]
+    lines += [f"  - {n}: `{record[n]['command']}`, {record[n]['date']}, {record[n]['minutes']:.1f} min, "
+              f"git {record[n].get('git', '?')}" for n in PARTS if n in record]
     lines.append("")
     for name in [n for n in PARTS if n in record]:
         info = record[name]
