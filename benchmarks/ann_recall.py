@@ -262,7 +262,7 @@ def plot(tasks: list, path: str) -> None:
                     linestyle="none", label="defaults")
         ax.axhline(TARGET, color="red", linewidth=0.8, linestyle="--")
         ax.set_xscale("log")
-        ax.set_xlabel(f"ms per batch of queries (retrieve: probe + scan + re-rank)")
+        ax.set_xlabel("ms per batch of queries (retrieve: probe + scan + re-rank)")
         ax.set_ylabel("recall@10 in the retrieved top_k")
         ax.set_title(f"{t['task']}: {t['num_classes']:,} classes, metric {t['metric']} (labels: nprobe)")
         ax.grid(alpha=0.3, which="both")

@@ -78,6 +78,44 @@ class XCDataset(abc.ABC):
         """Name, sizes and sample counts, for logging."""
 
 
+class PositionDataset(XCDataset):
+    """A data set whose samples are positions in a token stream (text, corpus).
+
+    Subclasses set ``_train_pos`` / ``_eval_pos`` (int64 positions of the labels, the
+    held-out ones in a fixed pseudo-random order) and ``_salt``, and implement ``_gather``;
+    sampling and the held-out split are then the same for every such data set.
+    """
+
+    _train_pos: Tensor
+    _eval_pos: Tensor
+    _salt: int
+
+    @abc.abstractmethod
+    def _gather(self, pos: Tensor) -> tuple[Tensor, Tensor]:
+        """(N,) label positions -> inputs (N, context) int64, labels (N,) int64."""
+
+    def train_batch(
+        self, step: int, batch_size: int, rank: int = 0, world_size: int = 1
+    ) -> tuple[Tensor, Tensor]:
+        """Training positions drawn uniformly (with replacement) by hashing the sample index."""
+        keys = train_sample_indices(step, batch_size, rank, world_size)
+        u = hash_uniform(keys, self._salt, 1)[:, 0]
+        idx = (u * len(self._train_pos)).to(torch.int64).clamp_(max=len(self._train_pos) - 1)
+        return self._gather(self._train_pos[idx])
+
+    def eval_batches(
+        self,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        max_samples: int | None = None,
+    ) -> Iterator[tuple[Tensor, Tensor]]:
+        """This rank's share of the held-out samples (fixed pseudo-random order)."""
+        num = len(self._eval_pos) if max_samples is None else min(len(self._eval_pos), max_samples)
+        for start, stop in eval_batch_ranges(num, batch_size, rank, world_size):
+            yield self._gather(self._eval_pos[start:stop])
+
+
 # ---------------------------------------------------------------------------- checks
 def check_batch_args(batch_size: int, rank: int, world_size: int, step: int = 0) -> None:
     """Raise ValueError naming the bad argument of a batch request."""

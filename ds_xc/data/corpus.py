@@ -49,7 +49,7 @@ import re
 import time
 import zipfile
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -57,13 +57,10 @@ from torch import Tensor
 
 from ds_xc.data import debian
 from ds_xc.data.base import (
-    XCDataset,
+    PositionDataset,
     derive_salt,
-    eval_batch_ranges,
-    hash_uniform,
     hash_words,
     mix64,
-    train_sample_indices,
 )
 from ds_xc.data.text import _save_atomic
 
@@ -273,7 +270,7 @@ def ensure_packages(root: Path, sources: tuple[str, ...], download: bool) -> Non
     debian.fetch_packages(missing, cache_dir=root.parent)
 
 
-class CorpusDataset(XCDataset):
+class CorpusDataset(PositionDataset):
     """Predict the next word (or pair of words) of Debian's dictionary and documentation
     from the ``context`` words before it (see the module doc).
 
@@ -396,27 +393,6 @@ class CorpusDataset(XCDataset):
         inside_NK = wpos_NK >= self._block_starts[block][:, None]
         inputs_NK = torch.where(inside_NK, self._ids[wpos_NK.clamp(min=0)].long(), self.pad_id)
         return inputs_NK, self._labels[pos].long()
-
-    def train_batch(
-        self, step: int, batch_size: int, rank: int = 0, world_size: int = 1
-    ) -> tuple[Tensor, Tensor]:
-        """Training positions drawn uniformly (with replacement) by hashing the sample index."""
-        keys = train_sample_indices(step, batch_size, rank, world_size)
-        u = hash_uniform(keys, self._salt, 1)[:, 0]
-        idx = (u * len(self._train_pos)).to(torch.int64).clamp_(max=len(self._train_pos) - 1)
-        return self._gather(self._train_pos[idx])
-
-    def eval_batches(
-        self,
-        batch_size: int,
-        rank: int = 0,
-        world_size: int = 1,
-        max_samples: int | None = None,
-    ) -> Iterator[tuple[Tensor, Tensor]]:
-        """This rank's share of the held-out samples (fixed pseudo-random order)."""
-        num = len(self._eval_pos) if max_samples is None else min(len(self._eval_pos), max_samples)
-        for start, stop in eval_batch_ranges(num, batch_size, rank, world_size):
-            yield self._gather(self._eval_pos[start:stop])
 
     def decode(self, ids: Tensor) -> list[str]:
         """Word of each input id (pad id -> "<pad>")."""

@@ -36,19 +36,15 @@ import time
 import uuid
 import zipfile
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from ds_xc.data.base import (
-    XCDataset,
+    PositionDataset,
     derive_salt,
-    eval_batch_ranges,
-    hash_uniform,
     hash_words,
-    train_sample_indices,
 )
 
 logger = logging.getLogger(__name__)
@@ -179,7 +175,7 @@ def _load(path: Path) -> dict | None:
         return None
 
 
-class TextDataset(XCDataset):
+class TextDataset(PositionDataset):
     """Predict a word of the Python standard library from the ``context`` words before it.
 
     Args:
@@ -247,27 +243,6 @@ class TextDataset(XCDataset):
         window = torch.arange(-self.context, 0, dtype=torch.int64)  # (K,)
         inputs_NK = self._stream[pos[:, None] + window[None, :]]
         return inputs_NK.long(), self._stream[pos].long()
-
-    def train_batch(
-        self, step: int, batch_size: int, rank: int = 0, world_size: int = 1
-    ) -> tuple[Tensor, Tensor]:
-        """Training positions drawn uniformly (with replacement) by hashing the sample index."""
-        keys = train_sample_indices(step, batch_size, rank, world_size)
-        u = hash_uniform(keys, self._salt, 1)[:, 0]
-        idx = (u * len(self._train_pos)).to(torch.int64).clamp_(max=len(self._train_pos) - 1)
-        return self._gather(self._train_pos[idx])
-
-    def eval_batches(
-        self,
-        batch_size: int,
-        rank: int = 0,
-        world_size: int = 1,
-        max_samples: int | None = None,
-    ) -> Iterator[tuple[Tensor, Tensor]]:
-        """This rank's share of the held-out samples (fixed pseudo-random order)."""
-        num = len(self._eval_pos) if max_samples is None else min(len(self._eval_pos), max_samples)
-        for start, stop in eval_batch_ranges(num, batch_size, rank, world_size):
-            yield self._gather(self._eval_pos[start:stop])
 
     def decode(self, ids: Tensor) -> list[str]:
         """Word of each id (pad id -> "<pad>"), for inspection."""
