@@ -23,6 +23,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import finish_worker  # noqa: E402
 
 METHODS = ("dense", "none", "topk", "randomk", "bayes_prior")
 
@@ -110,16 +112,7 @@ def main(argv=None) -> dict:
         ev = evaluate_topk(embed, xc.head, data.eval_batches(micro, rank, world, tcfg.eval_samples),
                            device=xc.engine.device)
         result.update(top1=ev["top1"], top5=ev["top5"], eval_samples=ev["samples"])
-    if rank == 0:
-        text = json.dumps(result, indent=1)
-        if args.out == "-":
-            print(text, flush=True)
-        else:
-            with open(args.out, "w") as fh:
-                fh.write(text)
-    dist.barrier()
-    dist.destroy_process_group()
-    return result
+    return finish_worker(result, args.out, indent=1)
 
 
 if __name__ == "__main__":

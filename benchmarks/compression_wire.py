@@ -17,6 +17,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import finish_worker  # noqa: E402
 
 
 def main(argv=None) -> dict:
@@ -56,16 +58,7 @@ def main(argv=None) -> dict:
     stats.pop("last", None)
     result = {"method": args.method, "density": args.density, "n": args.n, "steps": args.steps,
               "reduce_s": statistics.median(times[args.skip_steps:] or times), "stats": stats}
-    if rank == 0:
-        text = json.dumps(result)
-        if args.out == "-":
-            print(text, flush=True)
-        else:
-            with open(args.out, "w") as fh:
-                fh.write(text)
-    dist.barrier()
-    dist.destroy_process_group()
-    return result
+    return finish_worker(result, args.out, indent=None)
 
 
 if __name__ == "__main__":

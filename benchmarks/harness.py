@@ -202,3 +202,22 @@ def write_report(path: str, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
     print(f"wrote {path}", flush=True)
+
+
+def finish_worker(result: dict, out: str, indent=1) -> dict:
+    """End a benchmark worker rank: rank 0 writes ``result`` as JSON to ``out`` ('-': stdout),
+    then every rank waits for the others and leaves the process group."""
+    import json
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        text = json.dumps(result, indent=indent)
+        if out == "-":
+            print(text, flush=True)
+        else:
+            with open(out, "w") as fh:
+                fh.write(text)
+    dist.barrier()
+    dist.destroy_process_group()
+    return result

@@ -19,7 +19,6 @@ SGD with momentum on the head, which steps first, as in XCEngine.step). Rank 0 w
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -27,6 +26,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import finish_worker  # noqa: E402
 
 
 def main(argv=None) -> dict:
@@ -133,16 +134,7 @@ def main(argv=None) -> dict:
                           "exposed_grad_reduce_s", "exposed_labels_s")}
         result["modes"][mode] = {"median_s": statistics.median(times[mode]), "times": times[mode], **mean}
     result["backbone_params"] = sum(p.numel() for p in params)
-    if rank == 0:
-        text = json.dumps(result, indent=1)
-        if args.out == "-":
-            print(text)
-        else:
-            with open(args.out, "w") as fh:
-                fh.write(text)
-    dist.barrier()
-    dist.destroy_process_group()
-    return result
+    return finish_worker(result, args.out, indent=1)
 
 
 if __name__ == "__main__":
