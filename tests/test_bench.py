@@ -26,3 +26,12 @@ def test_sizes_scale_and_text_classes_are_capped_by_the_vocabulary():
     assert four["head_classes"] == [4 * c for c in one["head_classes"]]
     smoke = bench.sizes(bench.parse_args(["report", "--smoke"]))
     assert smoke["steps"] < one["steps"] and max(smoke["head_classes"]) < min(one["head_classes"])
+
+
+def test_head_case_counts_the_kept_tensors():
+    """part head's per-process measurement: persistent memory is weights + momentum (+ index)."""
+    exact = bench.head_case(3000, "exact chunked", 0, batch=64, dim=32)
+    assert exact["persistent_mib"] == pytest.approx(2 * 3000 * 32 * 4 / 2**20)  # weight + momentum
+    assert exact["step_s"] > 0 and exact["peak_mib"] >= 0
+    ann = bench.head_case(3000, "ann 0.1 (lazy)", 0, batch=64, dim=32)
+    assert ann["persistent_mib"] > exact["persistent_mib"]  # + the index (codes, lists, projection)
