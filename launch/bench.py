@@ -134,16 +134,16 @@ def part_compression(args, sz, out) -> dict:
 
 HEAD_VARIANTS = {"exact chunked": ({"type": "full"}, "dense"),
                  "ann 0.1 (lazy)": ({"type": "ann", "sample_rate": 0.1}, "lazy")}
+HEAD_BATCH, HEAD_DIM = 512, 128
 
 
-def head_case(classes: int, variant: str, seed: int, batch: int = 512, dim: int = 128) -> dict:
+def head_case(classes: int, variant: str, seed: int, batch: int = HEAD_BATCH, dim: int = HEAD_DIM) -> dict:
     """One head configuration, measured in the calling process (a fresh one: see part_head)."""
     from benchmarks.harness import hwm_bytes, reset_peak, rss_bytes
     import torch
     from ds_xc import ClassParallelHead, build_head_optimizer
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     sampler, update = HEAD_VARIANTS[variant]
-    start = rss_bytes()
     head = ClassParallelHead(dim, classes, loss={"type": "arcface", "scale": 64.0, "margin": 0.5},
                              sampler=sampler, chunk_size=128, update=update, seed=seed)
     opt = build_head_optimizer(head, {"type": "sgd", "lr": 0.1, "momentum": 0.9, "update": update})
@@ -153,7 +153,7 @@ def head_case(classes: int, variant: str, seed: int, batch: int = 512, dim: int 
         x = torch.randn(batch, dim, generator=gen, requires_grad=True)
         y = torch.randint(0, classes, (batch,), generator=gen)
         if step == 2:
-            persistent = rss_bytes()  # weights, momentum, index
+            before = rss_bytes()  # the step's start: weights, momentum, index and the runtime
             reset_peak()
         t = time.perf_counter()
         head(x, y).backward()
@@ -166,7 +166,7 @@ def head_case(classes: int, variant: str, seed: int, batch: int = 512, dim: int 
         tensors += [t for t in index.state_dict().values() if torch.is_tensor(t)]
     return {"classes": classes, "variant": variant, "step_s": min(times[2:]), "threads": torch.get_num_threads(),
             "persistent_mib": sum(t.numel() * t.element_size() for t in tensors) / 2**20,
-            "rss_mib": (persistent - start) / 2**20, "peak_mib": (hwm_bytes() - persistent) / 2**20}
+            "peak_mib": (hwm_bytes() - before) / 2**20}
 
 
 def part_head(args, sz, out) -> dict:
@@ -181,7 +181,6 @@ def part_head(args, sz, out) -> dict:
         raise RuntimeError("part head: /proc/self/clear_refs does not reset VmHWM on this machine")
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     rows = []
-    batch, dim = 512, 128
     for classes in sz["head_classes"]:
         for name in HEAD_VARIANTS:
             proc = subprocess.run([sys.executable, os.path.abspath(__file__), "_head_case",
@@ -192,7 +191,7 @@ def part_head(args, sz, out) -> dict:
                   f"persistent {rows[-1]['persistent_mib']:.0f} MiB", flush=True)
     lines = ["# Head step against the number of classes", "",
              f"One process per configuration (fresh, {rows[0]['threads']} threads, malloc mmap threshold fixed at "
-             f"64 KiB), global batch {batch}, d={dim}, ArcFace; the exact head with fused chunked logits (chunk 128, "
+             f"64 KiB), global batch {HEAD_BATCH}, d={HEAD_DIM}, ArcFace; the exact head with fused chunked logits (chunk 128, "
              "dense SGD momentum), the ANN head at sample rate 0.1 with lazy SGD momentum (index build at the first "
              "step, not timed). Step = forward + backward + optimizer step, best of steps 3-5. `persistent` = "
              "the tensors kept between steps (weights, momentum, index); `step memory` = peak resident memory over "

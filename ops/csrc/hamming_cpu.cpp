@@ -8,12 +8,13 @@
 // OpenMP over blocks of queries; inside a block the probed lists are visited in list order
 // and each is scanned for every query of the block that probes it (scan_block), one pass
 // per query over its probed codes (xor + 64-bit popcount, or 32-bit words when
-// code_bits % 64 != 0) with a bounded selection: a buffer of at most `cap` = max(2k, k + 64) (distance, id) pairs receives
-// every candidate at distance <= bound; when it is full, nth_element keeps its k
-// smallest pairs and bound becomes the largest distance kept (a candidate at that
-// distance can still enter with a smaller id). Candidates above the bound cost one
-// compare, so after the first few lists the scan is a popcount per row. At the end the
-// k smallest pairs are sorted. Memory per thread: O(block * k + block * nprobe).
+// code_bits % 64 != 0) with a bounded selection: a buffer of at most
+// `cap` = max(2k, k + 64) (distance, id) pairs receives every candidate at distance
+// <= bound; when it is full, nth_element keeps its k smallest pairs and bound becomes
+// the largest distance kept (a candidate at that distance can still enter with a smaller
+// id). Candidates above the bound cost one compare, so after the first few lists the scan
+// is a popcount per row. At the end the k smallest pairs are sorted. Memory per thread:
+// O(block * k + block * nprobe).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
