@@ -226,10 +226,10 @@ def _train(opt, model, steps, start=0):
         opt.step()
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_state_dict_round_trip_continues_bitwise(method):
+@pytest.mark.parametrize("method,allocation", [(m, "numel") for m in METHODS] + [("bayes_prior", "nonzero")])
+def test_state_dict_round_trip_continues_bitwise(method, allocation):
     cfg = {"method": method, "density": 0.05, "min_numel": 1000, "momentum_correction": 0.5,
-           "stats_sync_interval": 4}
+           "stats_sync_interval": 4, "allocation": allocation}
     model_a = _model()
     opt_a = CompressedOptimizer(torch.optim.SGD(model_a.parameters(), lr=0.1), cfg)
     _train(opt_a, model_a, 3)
@@ -242,6 +242,10 @@ def test_state_dict_round_trip_continues_bitwise(method):
     opt_b = CompressedOptimizer(torch.optim.SGD(model_b.parameters(), lr=0.1), cfg)
     opt_b.load_state_dict(saved)
     assert opt_b.stats()["steps"] == 3
+    if allocation == "nonzero":  # the densities measured at step 0 come back with the state
+        assert [opt_b.state[p].get("density") for p in model_b.parameters()] == [
+            saved["compression"]["state"].get(i, {}).get("density") for i in range(len(opt_b._params))]
+        assert opt_b.state[model_b[0].weight]["density"] is not None
     _train(opt_b, model_b, 3, start=3)
     for pa, pb in zip(model_a.parameters(), model_b.parameters()):
         assert torch.equal(pa, pb)
@@ -278,3 +282,60 @@ def test_bf16_gradients():
         assert p.grad.dtype == torch.bfloat16 and opt.state[p]["residual"].dtype == torch.float32
         assert torch.equal(p.grad.float() + opt.state[p]["residual"], g)  # bf16 values: sums are exact
     assert build_compressor(parse_compression({"method": "topk"})).name == "topk"
+
+
+# ---------------------------------------------------------------------------- allocation nonzero
+def _water_fill_reference(numel, weight, density):
+    """Brute force: raise a common level t until sum(min(n_i, t w_i)) reaches the budget (bisection)."""
+    budget = density * sum(numel)
+    if sum(weight) == 0:
+        return [density] * len(numel)
+    lo, hi = 0.0, max(n / w for n, w in zip(numel, weight) if w > 0) + 1.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if sum(min(n, mid * w) for n, w in zip(numel, weight)) < budget:
+            lo = mid
+        else:
+            hi = mid
+    return [min(n, hi * w) / n for n, w in zip(numel, weight)]
+
+
+@pytest.mark.parametrize("numel,weight,density", [
+    ([1000, 1000], [10, 30], 0.1),            # plain proportional shares
+    ([100, 100000], [100, 3000], 0.01),       # the small dense tensor is capped at 1.0, the rest refilled
+    ([50, 60, 10000], [50, 60, 10000], 0.5),  # weights = sizes: every tensor gets the density
+    ([500, 700], [0, 0], 0.02),               # no nonzero anywhere: the configured density
+    ([1000, 2000, 3000], [0, 5, 1], 0.05),    # a tensor without nonzeros gets nothing
+])
+def test_allocate_densities_is_the_water_filling_of_the_budget(numel, weight, density):
+    from ds_xc.compression.compressors import allocate_densities
+    got = allocate_densities(numel, weight, density)
+    assert got == pytest.approx(_water_fill_reference(numel, weight, density), rel=1e-9, abs=1e-12)
+    assert all(0.0 <= d <= 1.0 for d in got)
+    assert sum(d * n for d, n in zip(got, numel)) == pytest.approx(density * sum(numel))
+
+
+def test_allocation_nonzero_single_process_counts():
+    """One rank: the densities follow the fresh gradient's nonzeros and top-k sends exactly
+    round(density_t * numel_t) per tensor from the step after the measurement."""
+    from ds_xc.compression.compressors import allocate_densities
+    torch.manual_seed(0)
+    embed, fc = torch.nn.Embedding(300, 16), torch.nn.Linear(32, 64)
+    opt = CompressedOptimizer(torch.optim.SGD([*embed.parameters(), *fc.parameters()], lr=0.1),
+                              {"method": "topk", "density": 0.02, "min_numel": 1000, "allocation": "nonzero"})
+    big = [embed.weight, fc.weight]
+    for step in range(3):
+        opt.zero_grad()
+        tokens = torch.randint(0, 300, (5, 2), generator=torch.Generator().manual_seed(step))
+        fc(embed(tokens).flatten(1)).pow(2).mean().backward()
+        nnz = [int(torch.count_nonzero(p.grad)) for p in big]
+        before = [opt.state[p].get("density") for p in big]
+        opt.reduce_gradients()
+        if step == 0:
+            assert before == [None, None]  # the first compressed step uses the configured density
+            assert [opt.state[p]["density"] for p in big] == pytest.approx(
+                allocate_densities([p.numel() for p in big], nnz, 0.02))
+        else:
+            for p, d in zip(big, before):
+                assert int((p.grad != 0).sum()) == max(1, round(d * p.numel()))
+    assert opt.state[embed.weight]["density"] < 0.02 < opt.state[fc.weight]["density"]

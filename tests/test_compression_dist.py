@@ -276,3 +276,69 @@ def test_per_rank_checkpoint_round_trip_and_world_size_change(pools, tmp_path, c
         other = pools(4).run(_checkpoint_run, path, "resume")
     for r in other:
         assert r["found"] is False and r["steps"] == 6
+
+
+class _EmbedNet(torch.nn.Module):
+    """A row-sparse gradient (the embedding: only the batch's tokens) next to dense layers."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.embed = torch.nn.Embedding(400, 24)  # 9600 elements, compressed
+        self.fc = torch.nn.Linear(48, 40)  # 1920 weight elements, compressed; bias dense
+
+    def forward(self, tokens):
+        return self.fc(self.embed(tokens).flatten(1))
+
+
+def _alloc_reductions(rank, world, method, steps=4):
+    """Like _reductions, on _EmbedNet with ``allocation: nonzero``; also the densities per step."""
+    model = _EmbedNet()
+    cfg = {"method": method, "density": 0.05, "min_numel": 1000, "allocation": "nonzero", "stats_sync_interval": 2}
+    opt = CompressedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), cfg)
+    params = list(model.parameters())
+    res = opt._buffers["residual"]
+    out = []
+    for step in range(steps):
+        opt.zero_grad()
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        tokens = torch.randint(0, 400, (6, 2), generator=g)  # at most 12 of 400 rows
+        torch.nn.functional.cross_entropy(model(tokens), torch.randint(0, 40, (6,), generator=g)).backward()
+        grads = [p.grad.float().clone() for p in params]
+        e_old = res.clone()
+        opt.reduce_gradients()
+        out.append({"g": grads, "red": [p.grad.float().clone() for p in params], "e_old": e_old,
+                    "e_new": res.clone(), "density": [opt.state[p].get("density") for p in params]})
+        opt.inner.step()
+    lay = opt.layout
+    return {"steps": out, "params": [p.detach().clone() for p in params], "stats": opt.stats(),
+            "sparse": lay.sparse, "starts": lay.starts, "region": lay.region, "padded": lay.padded}
+
+
+@pytest.mark.parametrize("method", ["topk", "randomk", "bayes_prior"])
+def test_allocation_nonzero_shares_the_budget_by_nonzeros(pools, method):
+    """After the measuring steps (compressed steps 0 and 1 with interval 2) every rank holds the same
+    densities, equal to the water-filled shares of the nonzeros summed over the ranks; the
+    embedding (a few rows of 400 nonzero) gets far less than the dense layer; the exchange
+    stays the mean of what each rank sent, and the replicas stay identical."""
+    from ds_xc.compression.compressors import allocate_densities
+    results = pools(2).run(_alloc_reductions, method)
+    sparse = results[0]["sparse"]
+    numel = [results[0]["params"][i].numel() for i in sparse]
+    for step in (0, 1):  # measured on these steps' fresh gradients, used from the next step on
+        nnz = [sum(int(torch.count_nonzero(r["steps"][step]["g"][i])) for r in results) for i in sparse]
+        want = allocate_densities(numel, nnz, 0.05)
+        for r in results:
+            got = [r["steps"][step]["density"][i] for i in sparse]
+            assert got == pytest.approx(want, rel=1e-12)
+    embed, fc = results[0]["steps"][-1]["density"][sparse[0]], results[0]["steps"][-1]["density"][sparse[1]]
+    assert embed < 0.05 < fc and embed * numel[0] + fc * numel[1] == pytest.approx(0.05 * sum(numel))
+    if method == "topk":  # exact counts per tensor at the allocated densities
+        last, dens = results[0]["steps"][-1], results[0]["steps"][-2]["density"]
+        for j, i in enumerate(sparse):
+            start = results[0]["starts"][j]
+            sent = (last["e_new"][start: start + numel[j]] != last["e_old"][start: start + numel[j]]
+                    + last["g"][i].reshape(-1)).sum()
+            assert int(sent) == max(1, round(dens[i] * numel[j]))
+    _check_sparse_exchange(results, _own_gradient)
+    _assert_replicas_identical(results)

@@ -27,6 +27,8 @@ def _net():
 
 
 def _run(rank, world, config, steps, bucket_bytes):
+    config = dict(config)
+    zero_inputs = config.pop("_zero_inputs", 0)  # zero input features: zero gradient columns in the first layer
     nets = [_net(), _net()]
     opts = [CompressedOptimizer(torch.optim.SGD(n.parameters(), lr=0.1, momentum=0.5), config) for n in nets]
     reducer = opts[1].overlapped_reducer(bucket_bytes=bucket_bytes, comm_group=_side_group(world))
@@ -35,6 +37,7 @@ def _run(rank, world, config, steps, bucket_bytes):
     for step in range(steps):
         g = torch.Generator().manual_seed(100 * step + rank)
         x, t = torch.randn(B, IN, generator=g), torch.randn(B, OUT, generator=g)
+        x[:, :zero_inputs] = 0.0
         for k, (net, opt) in enumerate(zip(nets, opts)):
             if k == 1:
                 reducer.arm()
@@ -52,6 +55,7 @@ def _run(rank, world, config, steps, bucket_bytes):
              "residual": max((opts[0]._buffers[k] - opts[1]._buffers[k]).abs().max().item()
                              for k in opts[0]._buffers) if opts[0]._buffers else 0.0,
              "tau": [[opts[k].state[p].get("tau") for p in opts[k]._params] for k in range(2)],
+             "density": [[opts[k].state[p].get("density") for p in opts[k]._params] for k in range(2)],
              "stats": [opts[k].stats()["global_density"] for k in range(2)],
              "bytes": [opts[k].stats()["bytes_sent"] for k in range(2)],
              "moved": max((p.detach() - q.detach()).abs().max().item() for p, q in zip(nets[0].parameters(),
@@ -66,7 +70,9 @@ def _run(rank, world, config, steps, bucket_bytes):
     {"method": "topk", "density": 0.05, "min_numel": 256, "momentum_correction": 0.5, "value_dtype": "bfloat16"},
     {"method": "randomk", "density": 0.1, "min_numel": 256},
     {"method": "bayes_prior", "density": 0.05, "min_numel": 256, "granularity": "bucket"},
-], ids=["bayes_prior", "topk_momentum_bf16", "randomk", "bayes_bucket"])
+    {"method": "bayes_prior", "density": 0.05, "min_numel": 256, "allocation": "nonzero", "stats_sync_interval": 2,
+     "_zero_inputs": 16},
+], ids=["bayes_prior", "topk_momentum_bf16", "randomk", "bayes_bucket", "bayes_allocation_nonzero"])
 def test_hook_buckets_equal_step_reduction(pools, world, config):
     tol = 0.0 if world == 2 else 1e-6
     for r in pools(world).run(_run, config, 5, 12000):
@@ -74,6 +80,9 @@ def test_hook_buckets_equal_step_reduction(pools, world, config):
         for a, b in zip(*r["tau"]):
             assert (a is None and b is None) or a == pytest.approx(b, rel=1e-5), r["tau"]
         assert r["stats"][0] == r["stats"][1]
+        assert r["density"][0] == r["density"][1]
+        if "allocation" in config:  # the first layer's zero columns move budget to the other weights
+            assert r["density"][1][0] < config["density"] < r["density"][1][2]
         assert r["moved"] > 0  # training happened
         assert r["bytes"][1] > 0
 

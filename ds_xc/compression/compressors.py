@@ -21,12 +21,40 @@ import torch
 from ds_xc.compression import bayes
 from ds_xc.compression.config import GradientCompressionConfig
 
-__all__ = ["Compressor", "TopK", "RandomK", "BayesPrior", "COMPRESSORS", "build_compressor", "num_keep"]
+__all__ = ["Compressor", "TopK", "RandomK", "BayesPrior", "COMPRESSORS", "build_compressor", "num_keep",
+           "allocate_densities"]
 
 
 def num_keep(n: int, density: float) -> int:
     """Elements a fixed-count method keeps out of n: round(density * n), at least 1."""
     return n if density >= 1.0 else max(1, min(n, int(round(density * n))))
+
+
+def allocate_densities(numel: list, weight: list, density: float) -> list:
+    """Per-tensor densities that spend the budget ``density * sum(numel)`` in proportion to ``weight``.
+
+    Water-filling: a tensor whose share would exceed its size is sent whole and the rest
+    is shared again among the others. All weights zero: every tensor gets ``density``.
+    """
+    budget = density * float(sum(numel))
+    out = [0.0] * len(numel)
+    open_ = [i for i in range(len(numel)) if numel[i] > 0]
+    if sum(max(float(weight[i]), 0.0) for i in open_) <= 0.0:
+        return [density] * len(numel)
+    while open_:
+        total = sum(max(float(weight[i]), 0.0) for i in open_)
+        if total <= 0.0:
+            break
+        full = [i for i in open_ if budget * max(float(weight[i]), 0.0) / total >= numel[i]]
+        if not full:
+            for i in open_:
+                out[i] = budget * max(float(weight[i]), 0.0) / total / numel[i]
+            break
+        for i in full:
+            out[i] = 1.0
+            budget -= numel[i]
+        open_ = [i for i in open_ if i not in full]
+    return out
 
 
 class Compressor:
@@ -40,10 +68,14 @@ class Compressor:
         self.config = config
         self.density = config.density
 
+    def density_of(self, tstate: dict) -> float:
+        """The tensor's own density (``allocation: nonzero`` sets one per tensor), else the config's."""
+        return tstate.get("density", self.density)
+
     def select(self, v: torch.Tensor, tstate: dict, gen: Optional[torch.Generator],
                shared_gen: Optional[torch.Generator]) -> torch.Tensor:
         """Sorted unique int64 indices (m,) into the flat tensor v (n,)."""
-        if self.density >= 1.0:
+        if self.density_of(tstate) >= 1.0:
             return torch.arange(v.numel(), device=v.device)
         return self._select(v, tstate, gen, shared_gen)
 
@@ -60,7 +92,7 @@ class TopK(Compressor):
     name = "topk"
 
     def _select(self, v, tstate, gen, shared_gen):
-        k = num_keep(v.numel(), self.density)
+        k = num_keep(v.numel(), self.density_of(tstate))
         idx = torch.topk(v.abs(), k, sorted=False).indices  # (k,)
         return torch.sort(idx).values
 
@@ -77,7 +109,7 @@ class RandomK(Compressor):
     shared_indices = True
 
     def _select(self, v, tstate, gen, shared_gen):
-        k = num_keep(v.numel(), self.density)
+        k = num_keep(v.numel(), self.density_of(tstate))
         idx = torch.randint(v.numel(), (k,), generator=shared_gen, device=v.device)  # (k,)
         return torch.unique(idx, sorted=True)
 
@@ -111,12 +143,13 @@ class BayesPrior(Compressor):
         """Set the tensor's threshold and tables from the global (all ranks) histogram."""
         prior = self.config.prior
         total = float(counts.double().sum())
-        exploit = (1.0 - prior.strength) * self.density * total
+        density = self.density_of(tstate)
+        exploit = (1.0 - prior.strength) * density * total
         power = self.config.exploit_power
         tau = bayes.solve_threshold(counts, log2_hi, exploit, power) if exploit > 0 else math.inf
         tstate.update(tau=tau, log2_hi=log2_hi, tau_scale=1.0,
                       rate=bayes.thinning_rate(counts, log2_hi, tau, power),
-                      explore=bayes.exploration_table(counts.cpu(), prior.strength * self.density,
+                      explore=bayes.exploration_table(counts.cpu(), prior.strength * density,
                                                       prior.form, prior.pseudo_count))
 
     def _select(self, v, tstate, gen, shared_gen):
@@ -128,8 +161,9 @@ class BayesPrior(Compressor):
 
     def after_select(self, tstate: dict, num_sent: int, numel: int) -> None:
         """Nudge tau towards the target count: too many sent -> raise tau, too few -> lower it."""
-        expected = self.density * numel
-        if self.density >= 1.0 or expected <= 0.0 or not math.isfinite(tstate.get("tau", math.inf)):
+        density = self.density_of(tstate)
+        expected = density * numel
+        if density >= 1.0 or expected <= 0.0 or not math.isfinite(tstate.get("tau", math.inf)):
             return
         ratio = max(num_sent, 0.5) / expected
         factor = min(max(ratio ** self._GAIN, 1.0 / self._STEP_LIMIT), self._STEP_LIMIT)

@@ -56,7 +56,8 @@ class GradientCompressionConfig(_Section):
                                  "the next step's gradient.")
     warmup_steps: int = Field(0, ge=0, description="Optimizer steps reduced densely before compression starts.")
     stats_sync_interval: int = Field(10, ge=1, le=1 << 20, description="bayes_prior: steps between "
-                                     "all-reduces of the |v| histograms that set the thresholds.")
+                                     "all-reduces of the |v| histograms that set the thresholds (and, "
+                                     "with allocation nonzero, between measurements of the allocation).")
     stats_samples: int = Field(262144, ge=0, description="bayes_prior: elements per tensor and rank "
                                "drawn (uniformly) into the histogram at a sync; 0 = every element.")
     exploit_power: float = Field(1.0, ge=1.0, le=64.0, description="bayes_prior: exponent k of the "
@@ -70,6 +71,12 @@ class GradientCompressionConfig(_Section):
         "tensor", description="tensor: each compressed tensor sends its own density share (own threshold); "
         "bucket: one selection over all compressed tensors together, the budget going to the largest "
         "|v| wherever they are.")
+    allocation: Literal["numel", "nonzero"] = Field(
+        "numel", description="How the budget (density x all compressed elements) is shared among the "
+        "tensors (granularity tensor): numel: each sends density x its size; nonzero: in proportion to "
+        "the nonzero elements of their fresh gradients (mean over the ranks, re-measured every "
+        "stats_sync_interval steps), so a row-sparse embedding gradient does not take the budget of "
+        "dense layers and every nonzero waits about as long in the residual.")
     value_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Dtype of the values on the wire (indices travel as 16-bit offsets "
         "inside 65536-element blocks plus one int32 count per block). The part lost by rounding "

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ds_xc.compression.compressors import build_compressor
+from ds_xc.compression.compressors import allocate_densities, build_compressor
 from ds_xc.compression.config import GradientCompressionConfig, parse_compression
 from ds_xc.compression.layout import plan_layout
 from ds_xc.compression.transport import (DTYPES, NodeGroups, WireCounter, all_gather_slices, allreduce_bytes,
@@ -112,6 +112,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.counter = WireCounter()
         self._step = 0
         self._resync = False  # set when the global density strayed: sync statistics next step
+        self._nnz: dict = {}  # allocation nonzero: this step's nonzero count per compressed tensor
         self._reduced_by_hooks = False  # an overlapped reducer did this step's reduction
         self._tally = dict(compressed_steps=0, sent=0, offered=0, global_sent=0, global_offered=0, dense_bytes=0)
         self._last: dict = {}
@@ -215,7 +216,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._step += 1
 
     def _reduce_bucket(self, grads: list[torch.Tensor]) -> None:
-        lay, cfg = self.layout, self.config
+        lay = self.layout
         flat = self._scratch("flat", lay.padded, grads[0].device)  # (n_pad,), padding stays zero
         for i, start in zip(lay.sparse, lay.starts):
             flat[start: start + grads[i].numel()].copy_(grads[i].reshape(-1))
@@ -223,6 +224,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
             x = reduce_scatter_sum(flat, self.nodes, self.counter).div_(self.nodes.local_size)
         else:
             x = flat
+        if self._allocation_due():
+            self._count_nonzero(x)
         v = self._accumulate(x)  # (s,)
         if self.compressor.uses_stats and self._stats_due():
             self._sync_stats(v)
@@ -254,6 +257,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         t["global_offered"] += offered * comm_size
         self._last = {"compressed": True, "sent": idx.numel(), "density": idx.numel() / max(offered, 1),
                       "global_density": global_sent / max(offered * comm_size, 1)}
+        if self._allocation_due():
+            self._refresh_allocation()
 
     def _scratch(self, name: str, numel: int, device) -> torch.Tensor:
         """A float32 work buffer reused across steps (not state: never saved). Fresh 10^7-element
@@ -306,6 +311,37 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if not parts:
             return torch.empty(0, dtype=torch.int64, device=v.device)
         return torch.cat(parts)
+
+    def _allocation_due(self) -> bool:
+        """``allocation: nonzero``: measure at the first compressed step, then on the step before
+        each interval's statistics sync (so bayes_prior's thresholds follow the new densities)."""
+        cfg = self.config
+        if cfg.allocation != "nonzero" or cfg.granularity != "tensor" or self.compressor is None:
+            return False
+        c = self._step - cfg.warmup_steps
+        return c == 0 or (c > 0 and (c + 1) % cfg.stats_sync_interval == 0)
+
+    def _count_nonzero(self, x: torch.Tensor, segments=None) -> None:
+        """Record the nonzero elements of each segment of the fresh gradient ``x`` (s,) (before the residual)."""
+        for seg in (self.layout.segments if segments is None else segments):
+            self._nnz[seg.index] = int(torch.count_nonzero(x[seg.start: seg.end]))
+
+    def _refresh_allocation(self, comm=None) -> None:
+        """Sum the nonzero counts over the exchange group and give each tensor its share of the
+        budget (:func:`allocate_densities`); every rank of the exchange computes the same densities."""
+        segs = self.layout.segments
+        comm = self.comm_group if comm is None else comm
+        counts = torch.tensor([float(self._nnz.get(s.index, 0)) for s in segs], dtype=torch.float64,
+                              device=self._params[0].device)
+        if segs and is_distributed(comm):
+            dist.all_reduce(counts, group=comm)
+            nbytes = allreduce_bytes(counts.numel() * 8, group_size(comm))
+            self.counter.add(nbytes, nbytes)
+        densities = allocate_densities([s.numel for s in segs], counts.tolist(), self.config.density)
+        for seg, d in zip(segs, densities):
+            self.state[self._params[seg.index]]["density"] = d
+        self._nnz = {}
+        log.debug("allocation nonzero: densities %s", [round(d, 5) for d in densities])
 
     def _stats_due(self) -> bool:
         """At compressed steps 0, 1, 2, 4, 8, ... (the residuals build up then), then every interval,

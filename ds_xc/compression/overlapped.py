@@ -105,6 +105,8 @@ class OverlappedCompressedReducer(BucketedGradReducer):
             # in the next collective): compress them as 0. The .grad keeps them, so XCEngine sees them
             # and skips the step (restarting these residuals) on every rank.
             torch.nan_to_num_(self._flat[a:e], nan=0.0, posinf=0.0, neginf=0.0)
+            if opt._allocation_due():
+                opt._count_nonzero(self._flat, plan["segments"])
             v = opt._accumulate(self._flat, a, e)  # (n,) the region; [a, e) updated
             if self.stats_due:
                 opt._sync_stats(v, plan["segments"], comm=self.comm_group)
@@ -201,6 +203,8 @@ class OverlappedCompressedReducer(BucketedGradReducer):
             t["global_offered"] += offered * comm_size
             opt._last = {"compressed": True, "sent": sent, "density": sent / max(offered, 1),
                          "global_density": global_sent / max(offered * comm_size, 1)}
+            if opt._allocation_due():
+                opt._refresh_allocation(comm=self.comm_group)
         elif self.compress:
             opt._last = {"compressed": False}
         opt._tally["dense_bytes"] += opt._dense_step_bytes
