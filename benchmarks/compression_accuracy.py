@@ -94,12 +94,12 @@ def dense_bytes_per_step(result: dict) -> float:
 
 
 def render(rows: list[dict], args, command: str, started: str, wall: float) -> str:
-    lines = [f"# Compressed backbone reduction: accuracy and bytes on launch/train.py tasks\n",
+    lines = ["# Compressed backbone reduction: accuracy and bytes on launch/train.py tasks\n",
              f"- command: `{command}`", f"- date: {started}, wall time {wall / 60:.1f} min",
              f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
              f"torch {rows[0].get('torch', '?') if rows else '?'}",
              f"- {args.world} ranks on 127.0.0.1 (gloo, 1 thread each), {args.steps} steps per variant, "
-             f"density {args.density}, error feedback on; ZeRO stage 0 for every variant; held-out top-1/top-5 "
+             f"density {args.density}, error feedback on, seed {args.seed}; ZeRO stage 0 for every variant; held-out top-1/top-5 "
              f"over all classes on up to {args.eval_samples} samples",
              "- bytes: per rank and step, ring volumes (dense = 2(P-1)/P x gradient bytes); "
              "`1/x` = dense bytes / sent bytes; top-1 delta in points vs dense\n"]
@@ -134,6 +134,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--eval_samples", type=int, default=50000,
                    help="held-out samples (the text task has about 55k; 8192 would leave +-0.4 points of noise)")
+    p.add_argument("--seed", type=int, default=0, help="xc_train.seed and extreme_classification.seed")
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--out", default=DEFAULT_OUT, help="markdown file ('-': print only)")
     p.add_argument("--smoke", action="store_true", help="10 steps, print only")
@@ -148,7 +149,7 @@ def main(argv=None) -> list[dict]:
             method, extra = parse_variant(name)
             argv_rank = ["--config", os.path.join(ROOT, config), "--method", method, "--density", str(args.density),
                          "--steps", str(args.steps), "--eval", "--eval_samples", str(args.eval_samples),
-                         "--compression", json.dumps(extra)]
+                         "--compression", json.dumps(extra), "--seed", str(args.seed)]
             res = run_ranks(args.world, argv_rank, args.timeout)
             res["variant"] = name.split("=", 1)[0]
             rows.append(res)

@@ -40,6 +40,7 @@ def parse_args(argv=None):
     p.add_argument("--eval", action="store_true", help="held-out top-1/top-5 at the end")
     p.add_argument("--eval_samples", type=int, help="override xc_train.eval_samples")
     p.add_argument("--zero_stage", type=int, default=0, help="override zero_optimization.stage")
+    p.add_argument("--seed", type=int, help="override xc_train.seed and extreme_classification.seed")
     p.add_argument("--skip_steps", type=int, default=5, help="steps left out of the step-time median")
     p.add_argument("--out", default="-", help="JSON result of rank 0 ('-': stdout)")
     return p.parse_args(argv)
@@ -66,6 +67,9 @@ def main(argv=None) -> dict:
     raw.pop("gradient_compression", None)  # attached explicitly below
     if args.eval_samples:
         raw.setdefault("xc_train", {})["eval_samples"] = args.eval_samples
+    if args.seed is not None:
+        raw.setdefault("xc_train", {})["seed"] = args.seed
+        raw.setdefault("extreme_classification", {})["seed"] = args.seed
     xcfg = ds_xc.parse_config(raw)
     tcfg, hcfg = xcfg.xc_train, xcfg.extreme_classification
     if rank != 0:
@@ -80,6 +84,8 @@ def main(argv=None) -> dict:
     comp = None
     if args.method != "dense":
         section = dict({"method": args.method, "density": args.density}, **json.loads(args.compression))
+        if args.seed is not None:
+            section.setdefault("seed", args.seed)
         comp = attach_to_engine(xc.engine, section)
     micro, gas = xc.engine.train_micro_batch_size_per_gpu(), xc.engine.gradient_accumulation_steps()
     cast = torch.bfloat16 if xc.engine.bfloat16_enabled() and data.input_kind == "dense" else None
@@ -96,6 +102,7 @@ def main(argv=None) -> dict:
         times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
     result = {"method": args.method, "density": args.density, "world": world, "steps": args.steps,
+              "torch": torch.__version__,
               "config": os.path.relpath(args.config, ROOT), "data": tcfg.data, "num_classes": hcfg.num_classes,
               "backbone_numel": sum(p.numel() for p in backbone.parameters()),
               "backbone_dtype": str(next(backbone.parameters()).dtype).replace("torch.", ""),
