@@ -327,7 +327,7 @@ def test_allocation_nonzero_shares_the_budget_by_nonzeros(pools, method):
     numel = [results[0]["params"][i].numel() for i in sparse]
     for step in (0, 1):  # measured on these steps' fresh gradients, used from the next step on
         nnz = [sum(int(torch.count_nonzero(r["steps"][step]["g"][i])) for r in results) for i in sparse]
-        want = allocate_densities(numel, nnz, 0.05)
+        want = allocate_densities(numel, [max(c, 0.05 * 2 * n) for c, n in zip(nnz, numel)], 0.05)  # floor
         for r in results:
             got = [r["steps"][step]["density"][i] for i in sparse]
             assert got == pytest.approx(want, rel=1e-12)

@@ -72,11 +72,12 @@ class GradientCompressionConfig(_Section):
         "bucket: one selection over all compressed tensors together, the budget going to the largest "
         "|v| wherever they are.")
     allocation: Literal["numel", "nonzero"] = Field(
-        "numel", description="How the budget (density x all compressed elements) is shared among the "
+        "nonzero", description="How the budget (density x all compressed elements) is shared among the "
         "tensors (granularity tensor): numel: each sends density x its size; nonzero: in proportion to "
-        "the nonzero elements of their fresh gradients (mean over the ranks, re-measured every "
-        "stats_sync_interval steps), so a row-sparse embedding gradient does not take the budget of "
-        "dense layers and every nonzero waits about as long in the residual.")
+        "the nonzero elements of their fresh gradients (summed over the ranks, re-measured every "
+        "stats_sync_interval steps; at least density x size), so a row-sparse embedding gradient does "
+        "not take the budget of dense layers and every nonzero waits about as long in the residual. "
+        "The same as numel when no gradient element is exactly zero.")
     value_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Dtype of the values on the wire (indices travel as 16-bit offsets "
         "inside 65536-element blocks plus one int32 count per block). The part lost by rounding "

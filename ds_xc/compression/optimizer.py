@@ -337,7 +337,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
             dist.all_reduce(counts, group=comm)
             nbytes = allreduce_bytes(counts.numel() * 8, group_size(comm))
             self.counter.add(nbytes, nbytes)
-        densities = allocate_densities([s.numel for s in segs], counts.tolist(), self.config.density)
+        # a tensor weighs at least its plain share (density x size per rank), so one whose gradient
+        # happened to be all zero at the measurement still sends a little until the next one
+        floor = self.config.density * group_size(comm)
+        weights = [max(c, floor * s.numel) for c, s in zip(counts.tolist(), segs)]
+        densities = allocate_densities([s.numel for s in segs], weights, self.config.density)
         for seg, d in zip(segs, densities):
             self.state[self._params[seg.index]]["density"] = d
         self._nnz = {}
