@@ -36,7 +36,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/harness.py
-from harness import (MIB, close_rank, cpu_model, git_rev, hwm_bytes, init_rank, load_average, mib,  # noqa: E402
+from harness import (close_rank, cpu_model, git_rev, hwm_bytes, init_rank, load_average, mib,  # noqa: E402
                      peak_reset_works, reset_peak, rss_bytes, spawn_ranks, usable_cores, write_report)
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "ann_head.md")

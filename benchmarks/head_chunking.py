@@ -26,7 +26,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/harness.py
-from harness import (MIB, cpu_model, git_rev, hwm_bytes, init_rank, close_rank, mib as _mib,  # noqa: E402
+from harness import (cpu_model, git_rev, hwm_bytes, init_rank, close_rank, mib as _mib,  # noqa: E402
                      peak_reset_works, reset_peak, rss_bytes, spawn_ranks, usable_cores)
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "head_chunking.md")

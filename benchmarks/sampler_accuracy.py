@@ -3,10 +3,13 @@
 Every run is ``launch/train.py`` (DeepSpeed engine, one CPU process) with the same seeds
 (data order, backbone and head init), the same steps and evaluations; only the sampler
 differs (and ``optimizer.update: lazy`` for the sampled heads, so that a step touches only
-the active rows). Two tasks:
+the active rows). Three tasks:
 
 * ``synthetic``: the built-in synthetic data, whose classes come in groups of 8 confusable
   classes (cosine ~0.8): the hard-negative task; CosFace (s=64, m=0.35);
+* ``synthetic_sgd``: the same task with the head on SGD with momentum (Partial FC's recipe);
+  with AdamW on the head, Adam's per-row normalisation turns the tiny gradients of easy
+  negatives into full-size steps, which changes what the choice of negatives does;
 * ``text``: next-word prediction over the Python standard library, plain softmax
   (configs/default.json as it is).
 
@@ -14,7 +17,7 @@ Each run's ``--summary_json`` (final top-1/top-5, the evaluation history, sample
 is kept under ``--work_dir`` and reused unless ``--rerun``; the report is a markdown
 table and a PNG of top-1 against steps.
 
-    python benchmarks/sampler_accuracy.py                 # both tasks, 7 runs each
+    python benchmarks/sampler_accuracy.py                 # all three tasks, 7 runs each
     python benchmarks/sampler_accuracy.py --tasks text --rates 0.1 --samplers full,ann
     python benchmarks/sampler_accuracy.py --smoke         # tiny: 2 runs x 20 steps, writes nothing
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import shlex
@@ -45,6 +49,14 @@ TASKS = {
         "set": {"extreme_classification.loss": {"type": "cosface", "scale": 64.0, "margin": 0.35}},
         "describe": "synthetic (groups of 8 confusable classes, Zipf labels), CosFace s=64 m=0.35",
     },
+    "synthetic_sgd": {
+        "data": "synthetic", "num_classes": 50_000, "steps": 600, "eval_every": 100,
+        "set": {"extreme_classification.loss": {"type": "cosface", "scale": 64.0, "margin": 0.35},
+                "extreme_classification.optimizer": {"type": "sgd", "lr": 0.1, "momentum": 0.9,
+                                                     "weight_decay": 5e-4, "update": "dense"}},
+        "describe": "the same synthetic task with the head on SGD (lr 0.1, momentum 0.9, weight decay 5e-4: "
+                    "the recipe of InsightFace's Partial FC); the backbone stays on AdamW",
+    },
     "text": {
         "data": "text", "num_classes": 20_000, "steps": 600, "eval_every": 100, "set": {},
         "describe": "text (stdlib next word), softmax",
@@ -63,9 +75,12 @@ def sampler_config(name: str, rate: float | None, extra: dict) -> dict:
     return cfg
 
 
-def run_key(task: str, sampler: dict, steps: int, num_classes: int, seed: int) -> str:
+def run_key(task: str, sampler: dict, steps: int, num_classes: int, seed: int, sets: dict | None = None) -> str:
     parts = [task, str(num_classes), str(steps), f"seed{seed}", sampler["type"]]
     parts += [f"{k}{v}" for k, v in sorted(sampler.items()) if k != "type"]
+    if sets:  # --set overrides: a short digest keeps the file name readable
+        digest = hashlib.sha1(json.dumps(sets, sort_keys=True).encode()).hexdigest()[:10]
+        parts.append(f"set{digest}")
     return "-".join(str(p).replace("/", "_").replace(" ", "") for p in parts)
 
 
@@ -74,8 +89,8 @@ def checkpoint_dir(work_dir: str, key: str) -> str:
 
 
 def train_command(task: dict, sampler: dict, steps: int, eval_every: int, num_classes: int, seed: int,
-                  summary: str, save_dir: str | None = None) -> list:
-    sets = dict(task["set"])
+                  summary: str, save_dir: str | None = None, extra_sets: dict | None = None) -> list:
+    sets = dict(task["set"], **(extra_sets or {}))  # the sampler's own keys below win
     sets["extreme_classification.sampler"] = sampler
     sets["xc_train.seed"] = seed
     sets["extreme_classification.seed"] = seed
@@ -94,10 +109,10 @@ def run_one(args, task_name: str, sampler: dict, label: str) -> dict:
     task = TASKS[task_name]
     classes = args.num_classes.get(task_name, task["num_classes"])
     steps, every = args.steps.get(task_name, task["steps"]), args.eval_every.get(task_name, task["eval_every"])
-    key = run_key(task_name, sampler, steps, classes, args.seed)
+    key = run_key(task_name, sampler, steps, classes, args.seed, args.sets)
     summary = os.path.join(args.work_dir, key + ".json")
     save_dir = checkpoint_dir(args.work_dir, key) if sampler["type"] == "full" else None  # for ann_recall.py
-    cmd = train_command(task, sampler, steps, every, classes, args.seed, summary, save_dir)
+    cmd = train_command(task, sampler, steps, every, classes, args.seed, summary, save_dir, args.sets)
     if args.rerun or not os.path.exists(summary):
         os.makedirs(args.work_dir, exist_ok=True)
         log = os.path.join(args.work_dir, key + ".log")
@@ -140,7 +155,9 @@ def render(results: list, args, command: str, started: str, wall_s: float) -> st
         f"- ds_xc at git {git_rev()}",
         "- same seeds everywhere (xc_train.seed = extreme_classification.seed = "
         f"{args.seed}: data order, backbone and head init); configs/default.json otherwise (global batch 256, "
-        "AdamW lr 2e-3 for backbone and head, chunk_size 128); sampled heads use `optimizer.update: lazy`",
+        "AdamW lr 2e-3 for backbone and head unless the task says otherwise, chunk_size 128); sampled heads "
+        "use `optimizer.update: lazy`",
+        *([f"- overrides for every run (`--set`): `{json.dumps(args.sets)}`"] if args.sets else []),
         f"- ANN sampler: library defaults {('plus ' + json.dumps(args.ann_overrides)) if args.ann_overrides else ''}"
         "(see docs/ann.md); knn: library defaults (exact graph, 32 neighbours, rebuilt every 1000 steps)",
         "- accuracy: held-out top-1 / top-5 over all classes (eval_samples 8192 of the held-out set); one "
@@ -175,7 +192,7 @@ def render(results: list, args, command: str, started: str, wall_s: float) -> st
         lines.append("")
         lines += _targets(rows, full)
         lines.append("")
-    lines += [f"Top-1 in percent at each evaluation step. `active`, `kept`, `cut`, `fill`: the last step's "
+    lines += ["Top-1 in percent at each evaluation step. `active`, `kept`, `cut`, `fill`: the last step's "
               "active-set counts (kept = retrieved candidates that fit the budget, cut = those that did not, "
               "fill = uniform filler); `recall_active@10` and `softmax mass`: the ANN sampler's own quality "
               "metric on the last measured training batch (metrics_interval), against the exact logits.", ""]
@@ -249,7 +266,7 @@ def _per_task(value: str | None, cast) -> dict:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--tasks", default="synthetic,text", help="comma-separated tasks")
+    p.add_argument("--tasks", default="synthetic,synthetic_sgd,text", help="comma-separated tasks")
     p.add_argument("--samplers", default=",".join(SAMPLERS), help="comma-separated samplers")
     p.add_argument("--rates", default="0.1,0.01", help="sample rates of the sampled heads")
     p.add_argument("--num_classes", default=None, help="classes, one value or task=value,... "
@@ -260,6 +277,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="xc_train.seed and extreme_classification.seed")
     p.add_argument("--ann", action="append", default=[], metavar="KEY=JSON",
                    help="override an ann sampler key (repeatable), e.g. --ann groups=4")
+    p.add_argument("--set", dest="set_items", action="append", default=[], metavar="KEY=JSON",
+                   help="config override for every run (as train.py --set), e.g. "
+                        "'extreme_classification.optimizer={\"type\":\"sgd\",\"lr\":0.1,\"momentum\":0.9}'")
     p.add_argument("--work_dir", default=DEFAULT_WORK, help="where run summaries and logs are kept")
     p.add_argument("--rerun", action="store_true", help="retrain even when a run's summary exists")
     p.add_argument("--out", default=None, help="markdown file (default benchmarks/results/sampler_accuracy.md; '-': none)")
@@ -269,6 +289,15 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.num_classes, args.steps = _per_task(args.num_classes, int), _per_task(args.steps, int)
     args.eval_every = _per_task(args.eval_every, int)
+    args.sets = {}
+    for item in args.set_items:
+        k, sep, v = item.partition("=")
+        if not sep:
+            p.error(f"--set expects KEY=JSON, got {item!r}")
+        try:
+            args.sets[k] = json.loads(v)
+        except json.JSONDecodeError:
+            args.sets[k] = v
     args.ann_overrides = {}
     for item in args.ann:
         k, sep, v = item.partition("=")

@@ -93,7 +93,7 @@ def main(argv=None) -> dict:
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     raw = build_config(args)
     xcfg = ds_xc.parse_config(raw)
-    tcfg, hcfg = xcfg.xc_train, xcfg.extreme_classification
+    tcfg = xcfg.xc_train
     init_distributed(timeout_s=tcfg.comm_timeout_s)  # a lost peer fails collectives after this long at most
     rank, world = dist.get_rank(), dist.get_world_size()
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores between the ranks of this machine

@@ -10,7 +10,6 @@ that must pass (inside the bounds; the few cross-field rules are then satisfied)
 1,300 cases, about 10 s.
 """
 import math
-import string
 import typing
 
 import annotated_types as at

@@ -9,7 +9,7 @@ import torch
 
 from ds_xc import ClassParallelHead
 from ds_xc.head import init_shard, shard_range
-from tests.reference import LOSSES, per_row_loss, reference
+from tests.reference import LOSSES, reference
 
 C, D, SEED = 17, 6, 5
 
