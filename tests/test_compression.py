@@ -315,6 +315,14 @@ def test_allocate_densities_is_the_water_filling_of_the_budget(numel, weight, de
     assert sum(d * n for d, n in zip(got, numel)) == pytest.approx(density * sum(numel))
 
 
+def test_allocation_auto_resolves_by_method():
+    resolved = {m: parse_compression({"method": m}).resolved_allocation for m in ["topk", "randomk", "bayes_prior"]}
+    assert resolved == {"topk": "nonzero", "randomk": "numel", "bayes_prior": "nonzero"}
+    assert parse_compression({"method": "randomk", "allocation": "nonzero"}).resolved_allocation == "nonzero"
+    opt = CompressedOptimizer(torch.optim.SGD(_model().parameters(), lr=0.1), {"method": "randomk", "min_numel": 1000})
+    assert not opt._allocation_due()
+
+
 def test_allocation_nonzero_single_process_counts():
     """One rank: the densities follow the fresh gradient's nonzeros and top-k sends exactly
     round(density_t * numel_t) per tensor from the step after the measurement."""

@@ -71,13 +71,15 @@ class GradientCompressionConfig(_Section):
         "tensor", description="tensor: each compressed tensor sends its own density share (own threshold); "
         "bucket: one selection over all compressed tensors together, the budget going to the largest "
         "|v| wherever they are.")
-    allocation: Literal["numel", "nonzero"] = Field(
-        "nonzero", description="How the budget (density x all compressed elements) is shared among the "
-        "tensors (granularity tensor): numel: each sends density x its size; nonzero: in proportion to "
-        "the nonzero elements of their fresh gradients (summed over the ranks, re-measured every "
-        "stats_sync_interval steps; at least density x size), so a row-sparse embedding gradient does "
-        "not take the budget of dense layers and every nonzero waits about as long in the residual. "
-        "The same as numel when no gradient element is exactly zero.")
+    allocation: Literal["auto", "nonzero", "numel"] = Field(
+        "auto", description="How the budget (density x all compressed elements) is shared among the "
+        "tensors (granularity tensor). nonzero: in proportion to the nonzero elements of their fresh "
+        "gradients (summed over the ranks, re-measured every stats_sync_interval steps; at least "
+        "density x size), so a row-sparse embedding gradient does not take the budget of dense layers "
+        "and every nonzero waits about as long in the residual; numel: each tensor sends density x its "
+        "size; auto: nonzero for the magnitude-aware methods (topk, bayes_prior), numel for randomk "
+        "(whose uniform draws reach every element equally often, zero or not). nonzero and numel agree "
+        "when no gradient element is exactly zero.")
     value_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Dtype of the values on the wire (indices travel as 16-bit offsets "
         "inside 65536-element blocks plus one int32 count per block). The part lost by rounding "
@@ -94,6 +96,13 @@ class GradientCompressionConfig(_Section):
             raise ValueError(f"momentum_correction={self.momentum_correction} needs error_feedback=true "
                              "(momentum correction accumulates what was not sent)")
         return self
+
+    @property
+    def resolved_allocation(self) -> str:
+        """``allocation`` with ``auto`` resolved: numel for randomk, nonzero otherwise."""
+        if self.allocation != "auto":
+            return self.allocation
+        return "numel" if self.method == "randomk" else "nonzero"
 
     @property
     def enabled(self) -> bool:

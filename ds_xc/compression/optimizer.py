@@ -316,7 +316,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """``allocation: nonzero``: measure at the first compressed step, then on the step before
         each interval's statistics sync (so bayes_prior's thresholds follow the new densities)."""
         cfg = self.config
-        if cfg.allocation != "nonzero" or cfg.granularity != "tensor" or self.compressor is None:
+        if cfg.resolved_allocation != "nonzero" or cfg.granularity != "tensor" or self.compressor is None:
             return False
         c = self._step - cfg.warmup_steps
         return c == 0 or (c > 0 and (c + 1) % cfg.stats_sync_interval == 0)
