@@ -94,8 +94,8 @@ def train_command(task: dict, sampler: dict, steps: int, eval_every: int, num_cl
     sets["extreme_classification.sampler"] = sampler
     sets["xc_train.seed"] = seed
     sets["extreme_classification.seed"] = seed
-    if sampler["type"] != "full":
-        sets["extreme_classification.optimizer.update"] = "lazy"
+    if sampler["type"] != "full" and "extreme_classification.optimizer.update" not in (extra_sets or {}):
+        sets["extreme_classification.optimizer.update"] = "lazy"  # unless --set gives it explicitly
     cmd = [sys.executable, TRAIN, "--data", task["data"], "--num_classes", str(num_classes),
            "--max_steps", str(steps), "--eval_every", str(eval_every), "--summary_json", summary]
     for key, value in sets.items():
