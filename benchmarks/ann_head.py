@@ -37,7 +37,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/harness.py
 from harness import (close_rank, cpu_model, git_rev, hwm_bytes, init_rank, load_average, mib,  # noqa: E402
-                     peak_reset_works, reset_peak, rss_bytes, spawn_ranks, usable_cores, write_report)
+                     parse_key_json, peak_reset_works, reset_peak, rss_bytes, spawn_ranks, usable_cores,
+                     write_report)
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "ann_head.md")
 LOSSES = {"arcface": {"type": "arcface", "scale": 64.0, "margin": 0.5}, "softmax": {"type": "softmax"}}
@@ -393,15 +394,7 @@ def finish_args(p, args, default_out: str, smoke_classes: int = 20_000):
     args.world_list = [int(w) for w in args.worlds.split(",") if w.strip()]
     if any(args.batch % w for w in args.world_list):
         p.error(f"--batch {args.batch} must split evenly over every world size in {args.world_list}")
-    args.ann_overrides = {}
-    for item in args.ann:
-        key, sep, value = item.partition("=")
-        if not sep:
-            p.error(f"--ann expects KEY=JSON, got {item!r}")
-        try:
-            args.ann_overrides[key] = json.loads(value)
-        except json.JSONDecodeError:
-            args.ann_overrides[key] = value
+    args.ann_overrides = parse_key_json(args.ann, "--ann", p.error)
     return args
 
 

@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import queue
@@ -192,6 +193,21 @@ def load_average() -> str:
 
 def mib(b: float) -> str:
     return f"{b / MIB:,.0f}"
+
+
+def parse_key_json(items: list, flag: str, error) -> dict:
+    """Repeated ``KEY=JSON`` arguments -> {KEY: value} (a value that is not JSON stays a string);
+    ``error`` (argparse's ``parser.error``) is called on an item without '='."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            error(f"{flag} expects KEY=JSON, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
 
 
 def write_report(path: str, text: str) -> None:

@@ -36,7 +36,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/harness.py
-from harness import ROOT, cpu_model, git_rev, load_average, usable_cores, write_report  # noqa: E402
+from harness import (ROOT, cpu_model, git_rev, load_average, parse_key_json, usable_cores,  # noqa: E402
+                     write_report)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DEFAULT_WORK = os.path.join(os.environ.get("TMPDIR", "/tmp"), "ds_xc_bench", "sampler_accuracy")
@@ -289,24 +290,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.num_classes, args.steps = _per_task(args.num_classes, int), _per_task(args.steps, int)
     args.eval_every = _per_task(args.eval_every, int)
-    args.sets = {}
-    for item in args.set_items:
-        k, sep, v = item.partition("=")
-        if not sep:
-            p.error(f"--set expects KEY=JSON, got {item!r}")
-        try:
-            args.sets[k] = json.loads(v)
-        except json.JSONDecodeError:
-            args.sets[k] = v
-    args.ann_overrides = {}
-    for item in args.ann:
-        k, sep, v = item.partition("=")
-        if not sep:
-            p.error(f"--ann expects KEY=JSON, got {item!r}")
-        try:
-            args.ann_overrides[k] = json.loads(v)
-        except json.JSONDecodeError:
-            args.ann_overrides[k] = v
+    args.sets = parse_key_json(args.set_items, "--set", p.error)
+    args.ann_overrides = parse_key_json(args.ann, "--ann", p.error)
     if args.smoke:
         args.tasks, args.samplers, args.rates = "text", "full,ann", "0.1"
         args.num_classes, args.steps, args.eval_every = {"text": 2000}, {"text": 20}, {"text": 10}
