@@ -157,7 +157,7 @@ def render(results: list, args, command: str, started: str, wall_s: float) -> st
         "- same seeds everywhere (xc_train.seed = extreme_classification.seed = "
         f"{args.seed}: data order, backbone and head init); configs/default.json otherwise (global batch 256, "
         "AdamW lr 2e-3 for backbone and head unless the task says otherwise, chunk_size 128); sampled heads "
-        "use `optimizer.update: lazy`",
+        f"use `optimizer.update: {args.sets.get('extreme_classification.optimizer.update', 'lazy')}`",
         *([f"- overrides for every run (`--set`): `{json.dumps(args.sets)}`"] if args.sets else []),
         f"- ANN sampler: library defaults {('plus ' + json.dumps(args.ann_overrides)) if args.ann_overrides else ''}"
         "(see docs/ann.md); knn: library defaults (exact graph, 32 neighbours, rebuilt every 1000 steps)",
