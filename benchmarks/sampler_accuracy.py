@@ -49,6 +49,7 @@ TASKS = {
         "data": "synthetic", "num_classes": 50_000, "steps": 600, "eval_every": 100,
         "set": {"extreme_classification.loss": {"type": "cosface", "scale": 64.0, "margin": 0.35}},
         "describe": "synthetic (groups of 8 confusable classes, Zipf labels), CosFace s=64 m=0.35",
+        "short": "CosFace s=64 m=0.35",
     },
     "synthetic_sgd": {
         "data": "synthetic", "num_classes": 50_000, "steps": 600, "eval_every": 100,
@@ -57,10 +58,12 @@ TASKS = {
                                                      "weight_decay": 5e-4, "update": "dense"}},
         "describe": "the same synthetic task with the head on SGD (lr 0.1, momentum 0.9, weight decay 5e-4: "
                     "the recipe of InsightFace's Partial FC); the backbone stays on AdamW",
+        "short": "CosFace, head on SGD",
     },
     "text": {
         "data": "text", "num_classes": 20_000, "steps": 600, "eval_every": 100, "set": {},
         "describe": "text (stdlib next word), softmax",
+        "short": "softmax",
     },
 }
 SAMPLERS = ("full", "uniform", "knn", "ann")
@@ -237,7 +240,7 @@ def plot(results: list, path: str) -> None:
             ax.plot(xs, ys, color=colors.get(kind, "grey"), linestyle=styles.get(rate, ":") if rate else "-",
                     linewidth=2.2 if kind == "full" else 1.5, marker="o", markersize=3, label=_label(kind, rate))
         classes = next(r["num_classes"] for r in results if r["task"] == task_name)
-        ax.set_title(f"{task_name}: {classes:,} classes, {TASKS[task_name]['describe'].split(', ')[-1]}")
+        ax.set_title(f"{task_name}: {classes:,} classes, {TASKS[task_name]['short']}")
         ax.set_xlabel("training step")
         ax.set_ylabel("held-out top-1 (%)")
         ax.grid(alpha=0.3)
