@@ -37,18 +37,19 @@ def allocate_densities(numel: list, weight: list, density: float) -> list:
     is shared again among the others. All weights zero: every tensor gets ``density``.
     """
     budget = density * float(sum(numel))
+    w = [max(float(x), 0.0) for x in weight]
     out = [0.0] * len(numel)
     open_ = [i for i in range(len(numel)) if numel[i] > 0]
-    if sum(max(float(weight[i]), 0.0) for i in open_) <= 0.0:
+    if sum(w[i] for i in open_) <= 0.0:
         return [density] * len(numel)
     while open_:
-        total = sum(max(float(weight[i]), 0.0) for i in open_)
+        total = sum(w[i] for i in open_)
         if total <= 0.0:
             break
-        full = [i for i in open_ if budget * max(float(weight[i]), 0.0) / total >= numel[i]]
+        full = {i for i in open_ if budget * w[i] / total >= numel[i]}
         if not full:
             for i in open_:
-                out[i] = budget * max(float(weight[i]), 0.0) / total / numel[i]
+                out[i] = budget * w[i] / total / numel[i]
             break
         for i in full:
             out[i] = 1.0

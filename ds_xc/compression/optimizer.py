@@ -112,7 +112,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.counter = WireCounter()
         self._step = 0
         self._resync = False  # set when the global density strayed: sync statistics next step
-        self._nnz: dict = {}  # allocation nonzero: this step's nonzero count per compressed tensor
+        self._nnz: dict = {}  # allocation nonzero: this step's nonzero count per compressed tensor (0-dim)
         self._reduced_by_hooks = False  # an overlapped reducer did this step's reduction
         self._tally = dict(compressed_steps=0, sent=0, offered=0, global_sent=0, global_offered=0, dense_bytes=0)
         self._last: dict = {}
@@ -241,24 +241,32 @@ class CompressedOptimizer(torch.optim.Optimizer):
                                                     self.counter, out=self._scratch("reduced", x.numel(), x.device))
             global_sent = int(counts.sum())
         self._feedback(v, idx, vals)
-        expected = self.config.density * x.numel() * comm_size
-        if self.compressor.uses_stats and not 1 / _RESYNC <= global_sent / max(expected, 1.0) <= _RESYNC:
-            self._resync = True  # every rank of the exchange saw the same counts: same decision
         if self.nodes is not None:
             reduced = all_gather_slices(reduced, self.nodes, self.counter)  # (n_pad,)
         for i, start in zip(lay.sparse, lay.starts):
             grads[i].copy_(reduced[start: start + grads[i].numel()].view_as(grads[i]))
-        offered = lay.region_numel if self.nodes is not None else lay.numel
+        self._close_compressed_step(idx.numel(), global_sent)
+
+    def _close_compressed_step(self, sent: int, global_sent: int, comm=None) -> None:
+        """After a compressed exchange (this step path and the overlapped reducer alike): the
+        resync decision, the tallies and the step's stats, and the allocation when it is due.
+        ``sent``: elements this rank sent; ``global_sent``: all ranks of the exchange ``comm``."""
+        comm = self.comm_group if comm is None else comm
+        comm_size = group_size(comm)
+        offered = self.layout.region_numel if self.nodes is not None else self.layout.numel
+        expected = self.config.density * offered * comm_size
+        if self.compressor.uses_stats and not 1 / _RESYNC <= global_sent / max(expected, 1.0) <= _RESYNC:
+            self._resync = True  # every rank of the exchange saw the same counts: same decision
         t = self._tally
         t["compressed_steps"] += 1
-        t["sent"] += idx.numel()
+        t["sent"] += sent
         t["offered"] += offered
         t["global_sent"] += global_sent
         t["global_offered"] += offered * comm_size
-        self._last = {"compressed": True, "sent": idx.numel(), "density": idx.numel() / max(offered, 1),
+        self._last = {"compressed": True, "sent": sent, "density": sent / max(offered, 1),
                       "global_density": global_sent / max(offered * comm_size, 1)}
         if self._allocation_due():
-            self._refresh_allocation()
+            self._refresh_allocation(comm)
 
     def _scratch(self, name: str, numel: int, device) -> torch.Tensor:
         """A float32 work buffer reused across steps (not state: never saved). Fresh 10^7-element
@@ -322,18 +330,22 @@ class CompressedOptimizer(torch.optim.Optimizer):
         return c == 0 or (c > 0 and (c + 1) % cfg.stats_sync_interval == 0)
 
     def _count_nonzero(self, x: torch.Tensor, segments=None) -> None:
-        """Record the nonzero elements of each segment of the fresh gradient ``x`` (s,) (before the residual)."""
+        """Record the nonzero elements of each segment of the fresh gradient ``x`` (s,) (before the
+        residual), as device tensors: no host sync inside the overlapped reducer's hooks."""
         for seg in (self.layout.segments if segments is None else segments):
-            self._nnz[seg.index] = int(torch.count_nonzero(x[seg.start: seg.end]))
+            self._nnz[seg.index] = torch.count_nonzero(x[seg.start: seg.end])
 
     def _refresh_allocation(self, comm=None) -> None:
         """Sum the nonzero counts over the exchange group and give each tensor its share of the
         budget (:func:`allocate_densities`); every rank of the exchange computes the same densities."""
-        segs = self.layout.segments
+        segs, nnz = self.layout.segments, self._nnz
+        self._nnz = {}
+        if not segs:  # every rank of the exchange shares this region: all return here together
+            return
         comm = self.comm_group if comm is None else comm
-        counts = torch.tensor([float(self._nnz.get(s.index, 0)) for s in segs], dtype=torch.float64,
-                              device=self._params[0].device)
-        if segs and is_distributed(comm):
+        zero = torch.zeros((), dtype=torch.int64, device=self._params[0].device)
+        counts = torch.stack([nnz.get(s.index, zero) for s in segs]).to(torch.float64)  # (S,)
+        if is_distributed(comm):
             dist.all_reduce(counts, group=comm)
             nbytes = allreduce_bytes(counts.numel() * 8, group_size(comm))
             self.counter.add(nbytes, nbytes)
@@ -344,7 +356,6 @@ class CompressedOptimizer(torch.optim.Optimizer):
         densities = allocate_densities([s.numel for s in segs], weights, self.config.density)
         for seg, d in zip(segs, densities):
             self.state[self._params[seg.index]]["density"] = d
-        self._nnz = {}
         log.debug("allocation nonzero: densities %s", [round(d, 5) for d in densities])
 
     def _stats_due(self) -> bool:

@@ -22,12 +22,10 @@ import torch
 import torch.distributed as dist
 
 from ds_xc.compression.config import COMPRESSION_SECTION
-from ds_xc.compression.optimizer import _RESYNC
 from ds_xc.compression.transport import allreduce_bytes, start_sparse_allgather_mean
 from ds_xc.config import ConfigError, HEAD_SECTION
 from ds_xc.overlap.buckets import BucketedGradReducer
 from ds_xc.overlap.timeline import wait_work
-from ds_xc.parallel.groups import group_size
 
 __all__ = ["OverlappedCompressedReducer"]
 
@@ -189,22 +187,8 @@ class OverlappedCompressedReducer(BucketedGradReducer):
     def _close(self, sent: int, global_sent: int) -> None:
         """The bookkeeping of CompressedOptimizer.reduce_gradients / _reduce_bucket for this step."""
         opt = self.opt
-        comm_size = group_size(opt.comm_group)
         if self.compress and opt.layout.numel:
-            offered = opt.layout.numel
-            expected = opt.config.density * offered * comm_size
-            if opt.compressor.uses_stats and not 1 / _RESYNC <= global_sent / max(expected, 1.0) <= _RESYNC:
-                opt._resync = True
-            t = opt._tally
-            t["compressed_steps"] += 1
-            t["sent"] += sent
-            t["offered"] += offered
-            t["global_sent"] += global_sent
-            t["global_offered"] += offered * comm_size
-            opt._last = {"compressed": True, "sent": sent, "density": sent / max(offered, 1),
-                         "global_density": global_sent / max(offered * comm_size, 1)}
-            if opt._allocation_due():
-                opt._refresh_allocation(comm=self.comm_group)
+            opt._close_compressed_step(sent, global_sent, comm=self.comm_group)
         elif self.compress:
             opt._last = {"compressed": False}
         opt._tally["dense_bytes"] += opt._dense_step_bytes
