@@ -160,7 +160,7 @@ class AnnIndex:
 
     _TENSORS = ("projection", "centroids", "list_offsets", "list_ids", "list_codes", "position")
 
-    def to(self, device) -> "AnnIndex":
+    def to(self, device) -> AnnIndex:
         """Move every index tensor to ``device`` (in place; dtypes kept: float32 projection and
         centroids, int64 lists, uint8 codes, whatever the weight dtype)."""
         for name in self._TENSORS:
