@@ -341,23 +341,34 @@ def test_end_micro_step_waits_only_on_logged_steps(fake_cuda):
 # ---------------------------------------------------------------------- on a GPU only
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["uniform", "knn", "ann"])
-def test_cuda_head_matches_cpu_decisions_and_checkpoints_cross(name, tmp_path):
+def test_cuda_head_moves_steps_and_checkpoints_cross(name, tmp_path):
+    """uniform: CPU and CUDA take the same decisions (they depend on labels and the CPU
+    generator only); knn/ann (float rounding differs across devices): two CUDA heads agree.
+    A CUDA checkpoint resumes on the CPU and on CUDA, every tensor placed."""
     cpu, cpu_opt = _head(name)
     gpu, gpu_opt = _head(name)
-    gpu.to("cuda")
-    for key, value in _sampler_tensors(gpu.sampler).items():
-        assert value.device.type == "cuda", key
+    gpu.cuda()
+    twin, twin_opt = _head(name, device="cuda")
     for s in range(2):
         loss_c, act_c = _step(cpu, cpu_opt, s)
         loss_g, act_g = _step(gpu, gpu_opt, s)
-        assert torch.equal(act_c, act_g) and loss_g == pytest.approx(loss_c, rel=1e-4)
+        assert _same((loss_g, act_g), _step(twin, twin_opt, s))  # deterministic on the GPU
+        assert act_c.numel() == act_g.numel() and loss_g == pytest.approx(loss_c, rel=1e-3)
+        if name == "uniform":
+            assert torch.equal(act_c, act_g)
+    for key, value in _sampler_tensors(gpu.sampler).items():
+        assert value.device.type == "cuda", key
+    assert gpu.sampler.generator.device.type == "cpu"
     assert gpu_opt.state[gpu.weight]["exp_avg"].device.type == "cuda"
     ckpt.save_head_state(str(tmp_path / "g"), gpu, gpu_opt)
-    back, back_opt = _head(name)  # a CPU head resumes the GPU checkpoint, and vice versa
-    ckpt.load_head_state(str(tmp_path / "g"), back, back_opt)
-    again, again_opt = _head(name, device="cuda")
-    ckpt.load_head_state(str(tmp_path / "g"), again, again_opt)
-    assert again.weight.device.type == "cuda" and again_opt.state[again.weight]["exp_avg"].device.type == "cuda"
-    _, act_b = _step(back, back_opt, 2)
-    _, act_a = _step(again, again_opt, 2)
-    assert torch.equal(act_b, act_a)
+    _, expected = _step(cpu, cpu_opt, 2)  # uniform: what either resumed head must draw next
+    for device in ("cpu", "cuda"):
+        back, back_opt = _head(name, device=device)
+        ckpt.load_head_state(str(tmp_path / "g"), back, back_opt)
+        assert back_opt.state[back.weight]["exp_avg"].device.type == device
+        assert all(v.device.type == device for v in _sampler_tensors(back.sampler).values())
+        assert torch.equal(back.sampler.generator.get_state(), gpu.sampler.generator.get_state())
+        _, act = _step(back, back_opt, 2)
+        assert name != "uniform" or torch.equal(act, expected)
+    back.cpu()  # and back again
+    assert back.sampler.device.type == "cpu" and back.weight.device.type == "cpu"
