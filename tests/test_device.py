@@ -9,12 +9,15 @@ event resolution (with fake CUDA events, counting synchronisations).
 * Optimizer state follows the weight's device at the next step.
 * Checkpoints are read to the CPU and then placed: a float64 save loads into a float32 head;
   a CUDA generator state (16 bytes) from an older checkpoint reseeds deterministically.
+* Reshard gives every new rank a CPU stream, also from a CUDA generator state.
 * The RNG file is read to the CPU; CUDA states of more devices than present restore the first.
 * GPU: CPU and CUDA heads make the same sampling decisions and their checkpoints cross over
   (skipped without CUDA).
 """
 import copy
+import importlib.util
 import logging
+import os
 import types
 
 import pytest
@@ -222,6 +225,26 @@ def test_cuda_generator_state_of_an_older_checkpoint_reseeds_deterministically(t
     gen = torch.Generator()
     restore_generator(gen, src.sampler.generator.get_state())  # a CPU state loads as is
     assert torch.equal(gen.get_state(), src.sampler.generator.get_state())
+
+
+def test_reshard_replaces_a_cuda_generator_state_by_cpu_streams_per_rank(tmp_path):
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "reshard.py")
+    spec = importlib.util.spec_from_file_location("ds_xc_launch_reshard_device", path)
+    reshard_tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reshard_tool)
+    src, src_opt = _head("uniform")
+    _step(src, src_opt, 0)
+    ckpt.save_head_state(str(tmp_path / "p1" / "t"), src, src_opt)
+    (tmp_path / "p1" / "latest").write_text("t")
+    shard = ckpt.shard_file(str(tmp_path / "p1" / "t"), 0, 1)
+    state = torch.load(shard, weights_only=True)
+    state["head"]["_extra_state"]["sampler"]["generator"] = torch.arange(16, dtype=torch.uint8)  # a CUDA state
+    torch.save(state, shard)
+    reshard_tool.reshard(str(tmp_path / "p1"), str(tmp_path / "p2"), 2)
+    gens = [ckpt.load_shard(str(tmp_path / "p2" / "t"), r)["head"]["_extra_state"]["sampler"]["generator"]
+            for r in range(2)]
+    cpu_size = torch.Generator().get_state().numel()
+    assert [g.numel() for g in gens] == [cpu_size, cpu_size] and not torch.equal(gens[0], gens[1])
 
 
 def test_rng_file_is_read_to_cpu_and_extra_cuda_states_are_left(tmp_path, monkeypatch, caplog):
