@@ -55,10 +55,11 @@ def _batch(step, device="cpu"):
             torch.randint(0, C, (B,), generator=gen).to(device))
 
 
-def _step(head, opt, step):
-    """One forward + backward + optimizer step; (loss, active ids or None)."""
+def _step(head, opt, step, x_dtype=None):
+    """One forward + backward + optimizer step (embeddings in ``x_dtype``, default the
+    weight's); (loss, active ids or None)."""
     x, y = _batch(step, head.weight.device)
-    loss = head(x.to(head.weight.dtype), y)
+    loss = head(x.to(x_dtype or head.weight.dtype), y)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -120,7 +121,7 @@ def test_other_dtype_steps_with_the_same_sampling_decisions(name, dtype, tol):
         assert value.device == moved.weight.device, key
     # one step: no rebuild is due (knn/ann were built at step 0, rebuild_interval 2)
     loss_ref, active_ref = _step(ref, ref_opt, 2)
-    loss, active = _step(moved, moved_opt, 2)
+    loss, active = _step(moved, moved_opt, 2, torch.float32)  # the same queries: decisions are the head's
     assert (active is None and active_ref is None) or torch.equal(active, active_ref)
     assert loss == pytest.approx(loss_ref, rel=tol, abs=tol)
     assert moved.weight.dtype == dtype
