@@ -305,9 +305,17 @@ def check_head_checkpoint(tag_dir: str, head) -> dict:
 
 
 def load_head_state(tag_dir: str, head, optimizer=None) -> None:
-    """Load this rank's shard from ``tag_dir``; a world-size or class mismatch is an error."""
+    """Load this rank's shard from ``tag_dir``; a world-size or class mismatch is an error.
+
+    The file is read to the CPU, whatever device the head is on: a sampler's generator
+    state is a CPU tensor and must stay one (a CPU generator refuses a CUDA tensor). Each
+    restored tensor then moves to where it lives: the weight is copied into the head's
+    parameter (its device and dtype), the sampler moves its index or graph to the head's
+    device, and ``optimizer.load_state_dict`` casts the optimizer state to the weight's
+    device (and floating state to its dtype; ``step`` stays on the CPU).
+    """
     meta = check_head_checkpoint(tag_dir, head)
-    state = load_shard(tag_dir, head.rank, meta, map_location=head.weight.device)
+    state = load_shard(tag_dir, head.rank, meta, map_location="cpu")
     path = shard_file(tag_dir, head.rank, head.world_size)
     head.load_state_dict(state["head"])
     if optimizer is not None and state.get("optimizer") is not None:

@@ -388,14 +388,19 @@ def _load_rng_state(tag_dir: str) -> None:
                     "RNG streams are not restored", path)
         return
     import numpy as np
-    state = load_file(path, "RNG state file")
+    state = load_file(path, "RNG state file", map_location="cpu")  # RNG states are CPU ByteTensors
     torch.set_rng_state(state["torch"])
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     n = state["numpy"]
     np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        saved, here = len(state["cuda"]), torch.cuda.device_count()
+        if saved != here:
+            log.warning("%s holds CUDA RNG states of %d device(s), this process sees %d: the first %d are "
+                        "restored", path, saved, here, min(saved, here))
+        for index, cuda_state in enumerate(state["cuda"][:here]):
+            torch.cuda.set_rng_state(cuda_state.cpu(), index)
 
 
 # ---------------------------------------------------------------------- lost peers

@@ -81,8 +81,8 @@ def _fresh_sampler_state(template: dict, rank: int, world_size: int) -> dict:
     """Sampler state for a new shard: the step count, a fresh per-rank RNG stream, no index."""
     state = {k: (None if k not in _SAMPLER_KEPT else v) for k, v in template.items()}
     gen = template.get("generator")
-    cpu_state = torch.Generator().get_state()
-    if torch.is_tensor(gen) and gen.shape == cpu_state.shape:  # a CPU generator: reseed per new rank
+    if torch.is_tensor(gen):  # a fresh CPU stream per new rank (samplers keep CPU generators; an older
+        # checkpoint's CUDA generator state is replaced too, not copied to every rank)
         steps = int(template.get("steps", 0) or 0)
         state["generator"] = torch.Generator().manual_seed(
             (1_000_003 * world_size + 7919 * (rank + 1) + 31 * steps) % (2**63)).get_state()

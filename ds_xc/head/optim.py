@@ -14,7 +14,12 @@ the bias correction uses the global step count. A step then costs O(K*d), not O(
 Given a dense gradient (every row active) lazy and dense steps are identical. A dense
 optimizer given a sparse gradient densifies it (exact dense semantics).
 
-State lives in ``optimizer.state[p]`` so that ``state_dict()`` round-trips.
+State lives in ``optimizer.state[p]`` so that ``state_dict()`` round-trips. Devices and
+dtypes: state tensors follow the weight's device at the next step (after ``head.to(device)``;
+``step`` stays a CPU scalar, as torch keeps it); their dtype is the one they were created
+with (the weight's at the first step) and survives ``head.to(dtype)``, so the update accepts
+moments of another dtype than the weight. torch's ``load_state_dict`` casts floating state
+to the weight's device and dtype.
 """
 from __future__ import annotations
 
@@ -43,6 +48,14 @@ def _rows(p: torch.Tensor, lazy: bool):
             return rows, g._values()  # sorted and distinct already (a sampler's active set): no sort
         g = g.coalesce()
     return g.indices()[0], g.values()
+
+
+def _follow_device(state: dict, p: torch.Tensor) -> None:
+    """Move one parameter's state tensors to ``p``'s device (the head may have moved since the
+    last step); ``step`` stays on the CPU."""
+    for key, value in state.items():
+        if key != "step" and torch.is_tensor(value) and value.device != p.device:
+            state[key] = value.to(p.device)
 
 
 def _blocks(n: int):
@@ -81,6 +94,7 @@ class HeadSGD(Optimizer):
                     state = self.state[p]
                     if "momentum_buffer" not in state:
                         state["momentum_buffer"] = torch.zeros_like(p)
+                    _follow_device(state, p)
                     buf = state["momentum_buffer"]
                 if rows is None:
                     for s in _blocks(p.shape[0]):
@@ -109,7 +123,7 @@ class HeadAdamW(Optimizer):
         """One block, in place on p, m, v (p, m, v may be gathered row copies)."""
         if wd:
             p.mul_(1.0 - lr * wd)
-        m.lerp_(g, 1.0 - b1)
+        m.lerp_(g.to(m.dtype), 1.0 - b1)  # m may keep another dtype than p (head.to(dtype))
         v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
         denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
         p.addcdiv_(m, denom, value=-lr / bc1)
@@ -128,6 +142,7 @@ class HeadAdamW(Optimizer):
                     state["step"] = torch.zeros((), dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p)
                     state["exp_avg_sq"] = torch.zeros_like(p)
+                _follow_device(state, p)
                 state["step"] += 1
                 t = float(state["step"])
                 bc1, bc2 = 1.0 - b1 ** t, 1.0 - b2 ** t

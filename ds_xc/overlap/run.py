@@ -93,7 +93,8 @@ def end_micro_step(xc) -> None:
     timeline = xc.schedule.timeline
     if timeline._t0 is None:
         return
-    rec = timeline.end_step()
     every = xc.config.extreme_classification.overlap.log_every
-    if every and timeline.steps % every == 0:
+    read = bool(every) and (timeline.steps + 1) % every == 0  # only a logged step waits for its events
+    rec = timeline.end_step(read=read)
+    if read:
         log.info("overlap timeline (micro-step %d): %s", timeline.steps, Timeline.format(rec))

@@ -5,14 +5,16 @@ part that the schedule failed to hide; compute is the rest of the step. On CPU t
 waits are host waits on async work handles (``work.wait()`` blocks until the data is
 there), so the host clock measures them directly. On GPU a wait only makes the
 current stream wait, so each wait is bracketed by two CUDA events and resolved when
-the step ends (one synchronisation per step, only for steps that are read).
+the step's events are done: checked without blocking when later steps end, and waited
+for (on those events, never the whole device) only when a record is read or the backlog
+of pending steps exceeds its bound.
 
 Collecting costs two clock reads per collective; nothing is logged unless asked.
 """
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Optional
 
 import torch
@@ -21,13 +23,24 @@ __all__ = ["Timeline", "wait_work"]
 
 
 class Timeline:
-    """Accumulates one step's communication record, then the totals over all steps."""
+    """Accumulates one step's communication record, then the totals over all steps.
 
-    def __init__(self, device: Optional[torch.device] = None):
+    On GPU a closed step whose events have not all completed stays pending (at most
+    ``max_pending`` steps; the oldest then waits on its own events, never on the whole
+    device). Pending steps are resolved when their events are done (checked without
+    blocking at every ``end_step``), when a record is read (``last``, ``totals``,
+    ``summary()``, ``flush()``) or when ``end_step(read=True)`` asks for the step's record.
+    """
+
+    def __init__(self, device: Optional[torch.device] = None, max_pending: int = 64):
+        if max_pending < 1:
+            raise ValueError(f"Timeline max_pending={max_pending}: must be >= 1")
         self.cuda = device is not None and torch.device(device).type == "cuda"
-        self.steps = 0
-        self.totals: dict = defaultdict(float)
-        self.last: dict = {}
+        self.max_pending = int(max_pending)
+        self.steps = 0  # closed steps, resolved or pending
+        self._totals: dict = defaultdict(float)
+        self._last: dict = {}
+        self._pending: deque = deque()  # (partial record, [(kind, start, end)]) of closed GPU steps
         self._reset()
 
     def _reset(self) -> None:
@@ -61,30 +74,69 @@ class Timeline:
         work.wait()
         self._exposed[kind] += time.perf_counter() - t
 
-    def end_step(self) -> dict:
-        """Close the step; returns {step_s, compute_s, exposed_s, issued, issued_mb, exposed_<kind>_s}."""
+    def end_step(self, read: bool = False) -> Optional[dict]:
+        """Close the step. Returns its record {step_s, compute_s, exposed_s, issued, issued_mb,
+        exposed_<kind>_s} once known: always on CPU; on GPU when its events are done, or with
+        ``read=True`` (which waits for them); else None (the step stays pending). {} when no
+        step was open."""
         if self._t0 is None:
             return {}
-        if self._events:
-            torch.cuda.synchronize()
-            for kind, start, end in self._events:
-                self._exposed[kind] += start.elapsed_time(end) / 1000.0
-        step = time.perf_counter() - self._t0
-        exposed = sum(self._exposed.values())
-        rec = {"step_s": step, "compute_s": max(step - exposed, 0.0), "exposed_s": exposed,
-               "issued": sum(self._issued.values()), "issued_mb": sum(self._bytes.values()) / 2**20}
-        for kind, value in self._exposed.items():
+        rec = {"step_s": time.perf_counter() - self._t0, "issued": sum(self._issued.values()),
+               "issued_mb": sum(self._bytes.values()) / 2**20, "_exposed": dict(self._exposed)}
+        events, self._events, self._t0 = self._events, [], None
+        self.steps += 1
+        self._pending.append((rec, events))
+        self._resolve(block=False)
+        if read:
+            self.flush()
+        while len(self._pending) > self.max_pending:  # bounded backlog: wait for the oldest step only
+            self._resolve_one(block=True)
+        return None if any(r is rec for r, _ in self._pending) else self._last
+
+    def _resolve_one(self, block: bool) -> bool:
+        """Resolve the oldest pending step; with ``block`` False only if its events are done."""
+        rec, events = self._pending[0]
+        if not block and not all(end.query() for _, _, end in events):
+            return False
+        for _, _, end in events:
+            end.synchronize()  # this event only (a no-op when done), not the device
+        exposed = rec.pop("_exposed")
+        for kind, start, end in events:
+            exposed[kind] = exposed.get(kind, 0.0) + start.elapsed_time(end) / 1000.0
+        total = sum(exposed.values())
+        rec["compute_s"], rec["exposed_s"] = max(rec["step_s"] - total, 0.0), total
+        for kind, value in exposed.items():
             rec[f"exposed_{kind}_s"] = value
         for key, value in rec.items():
-            self.totals[key] += value
-        self.steps += 1
-        self.last = rec
-        self._t0 = None
-        return rec
+            self._totals[key] += value
+        self._last = rec
+        self._pending.popleft()
+        return True
+
+    def _resolve(self, block: bool) -> None:
+        while self._pending and self._resolve_one(block):
+            pass
+
+    def flush(self) -> None:
+        """Resolve every pending step (waits for their events)."""
+        self._resolve(block=True)
+
+    @property
+    def last(self) -> dict:
+        """The record of the last closed step (resolves pending steps)."""
+        self.flush()
+        return self._last
+
+    @property
+    def totals(self) -> dict:
+        """Sums over all closed steps (resolves pending steps)."""
+        self.flush()
+        return self._totals
 
     def summary(self) -> dict:
         """Mean per step over all closed steps (plus ``steps``)."""
-        out = {k: v / max(self.steps, 1) for k, v in self.totals.items()}
+        totals = self.totals
+        out = {k: v / max(self.steps, 1) for k, v in totals.items()}
         out["steps"] = self.steps
         return out
 

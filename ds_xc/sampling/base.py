@@ -12,13 +12,17 @@ row's target is its column in its own group's set.
 """
 from __future__ import annotations
 
+import hashlib
+import logging
 import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 
-__all__ = ["ActiveSet", "Sampler", "local_targets", "budget"]
+log = logging.getLogger(__name__)
+
+__all__ = ["ActiveSet", "Sampler", "local_targets", "budget", "restore_generator"]
 
 
 @dataclass
@@ -69,14 +73,23 @@ def local_targets(labels: torch.Tensor, class_start: int, num_local: int) -> tup
 
 class Sampler:
     """Base class. Subclasses implement :meth:`sample`; state (RNG, indexes) round-trips
-    through :meth:`state_dict` / :meth:`load_state_dict`."""
+    through :meth:`state_dict` / :meth:`load_state_dict`.
+
+    Devices: ``self.generator`` is always a CPU generator, whatever ``device`` the sampler
+    serves. Random draws are made on the CPU and the drawn ids moved to the device
+    (see active._uniform_fill), so the sampling decisions are the same on every device and
+    dtype, and the saved generator state (a CPU mt19937 state) restores on any machine.
+    (A CUDA generator's state is a different object, a seed and an offset, and cannot be
+    transplanted into a CPU generator or back.) Device-bound state (a kNN graph, an ANN
+    index) follows :meth:`to`, which the head calls from ``head.to(...)``.
+    """
 
     needs_embeddings = False  # True when the sampler looks at the gathered embeddings
 
     def __init__(self, config, num_local: int, class_start: int, seed: int, rank: int, device=None):
         self.config, self.num_local, self.class_start = config, num_local, class_start
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.generator = torch.Generator(device=self.device)
+        self.generator = torch.Generator(device="cpu")  # always CPU: see the class docstring
         # distinct, reproducible stream per rank and seed
         self.generator.manual_seed((int(seed) * 1_000_003 + 7919 * (rank + 1)) % (2**63))
 
@@ -85,16 +98,42 @@ class Sampler:
         raise NotImplementedError
 
     def to(self, device) -> "Sampler":
+        """Serve ``device`` from now on: device-bound state moves there (:meth:`_move_state`);
+        the generator stays on the CPU. Leaving the meta device drops what meta tensors
+        stood for (they hold no values): an index or graph is rebuilt at the next forward."""
         device = torch.device(device)
         if device != self.device:
-            state = self.generator.get_state()
+            from_meta = self.device.type == "meta"
             self.device = device
-            self.generator = torch.Generator(device=device)
-            self.generator.set_state(state)
+            self._move_state(device, from_meta)
         return self
+
+    def _move_state(self, device: torch.device, from_meta: bool) -> None:
+        """Move device-bound state (subclasses with an index or graph override this)."""
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
+        restore_generator(self.generator, state["generator"])
+
+
+def restore_generator(gen: torch.Generator, state: torch.Tensor) -> None:
+    """Load a saved generator state into the CPU generator ``gen``.
+
+    The state is a CPU ByteTensor wherever it was saved from (it is copied to the CPU if a
+    loader mapped it elsewhere). A state of another size is the state of a CUDA generator,
+    which samplers kept before their generators moved to the CPU: it cannot be loaded into
+    a CPU generator, so ``gen`` is reseeded from a hash of its bytes (deterministic: the
+    same checkpoint resumes with the same stream every time) and a warning says so.
+    """
+    state = state.detach().to("cpu", torch.uint8)
+    if state.numel() == gen.get_state().numel():
+        gen.set_state(state)
+        return
+    digest = hashlib.blake2b(state.numpy().tobytes(), digest_size=8).digest()
+    seed = int.from_bytes(digest, "little") % (2**63)
+    gen.manual_seed(seed)
+    log.warning("sampler generator state of %d bytes is not a CPU generator state (%d bytes): a CUDA "
+                "generator's, from an older checkpoint; the sampler's stream is reseeded from it (seed %d)",
+                state.numel(), gen.get_state().numel(), seed)

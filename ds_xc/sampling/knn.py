@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from ds_xc.sampling.active import assemble, remap_targets
 from ds_xc.sampling.ann.index import AnnIndex, exact_cosine_rerank
-from ds_xc.sampling.base import ActiveSet, Sampler, budget, local_targets, rebuild_due
+from ds_xc.sampling.base import ActiveSet, Sampler, budget, local_targets, rebuild_due, restore_generator
 
 log = logging.getLogger(__name__)
 
@@ -104,12 +104,20 @@ class KnnSampler(Sampler):
             self.steps += 1
         return ActiveSet(index=index, targets=remap_targets(index, local, mine))
 
+    def _move_state(self, device: torch.device, from_meta: bool) -> None:
+        if self.graph is None:
+            return
+        if from_meta:  # a meta graph holds no neighbours: rebuild at the next forward
+            self.graph, self.built_at = None, None
+        else:
+            self.graph = self.graph.to(device)  # (L, k) int64
+
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state(), "steps": self.steps, "built_at": self.built_at,
                 "graph": self.graph}
 
     def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
+        restore_generator(self.generator, state["generator"])
         self.steps, self.built_at = int(state["steps"]), state["built_at"]
         self.graph = None if state["graph"] is None else state["graph"].to(self.device)
         if self.graph is None:

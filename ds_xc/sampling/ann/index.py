@@ -158,6 +158,17 @@ class AnnIndex:
                                   backend=self.backend, check=False)
         return ids
 
+    _TENSORS = ("projection", "centroids", "list_offsets", "list_ids", "list_codes", "position")
+
+    def to(self, device) -> AnnIndex:
+        """Move every index tensor to ``device`` (in place; dtypes kept: float32 projection and
+        centroids, int64 lists, uint8 codes, whatever the weight dtype)."""
+        for name in self._TENSORS:
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.to(device))
+        return self
+
     def state_dict(self) -> dict:
         return {"projection": self.projection, "centroids": self.centroids, "list_offsets": self.list_offsets,
                 "list_ids": self.list_ids, "list_codes": self.list_codes, "builds": self.builds,

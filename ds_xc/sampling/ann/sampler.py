@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from ds_xc.sampling.active import assemble, remap_targets
 from ds_xc.sampling.ann.index import AnnIndex, exact_cosine_rerank
-from ds_xc.sampling.base import ActiveSet, Sampler, budget, local_targets, rebuild_due
+from ds_xc.sampling.base import ActiveSet, Sampler, budget, local_targets, rebuild_due, restore_generator
 
 log = logging.getLogger(__name__)
 
@@ -180,13 +180,29 @@ class AnnSampler(Sampler):
         return ActiveSet(index=indices, targets=targets, bounds=bounds)
 
     # ------------------------------------------------------------------ state
+    def _move_state(self, device: torch.device, from_meta: bool) -> None:
+        """Index tensors, pending dirty rows and the last retrieval follow the head. A background
+        build in flight (of the weights on the old device) is dropped: the due rebuild restarts."""
+        if self._pending is not None:
+            self._pending = self._pending_index = None
+            self._changed_since = []
+        if from_meta:  # meta tensors hold no values: forget the index, rebuild at the next forward
+            self.index, self.built_at, self.dirty, self.last_retrieved = None, None, None, None
+            return
+        if self.dirty is not None:
+            self.dirty = self.dirty.to(device)
+        if self.last_retrieved is not None:
+            self.last_retrieved = self.last_retrieved.to(device)
+        if self.index is not None:
+            self.index.to(device)
+
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state(), "steps": self.steps, "built_at": self.built_at,
                 "dirty": self.dirty, "index": None if self.index is None else self.index.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self._pending = self._pending_index = None  # a background build of other weights is dropped
-        self.generator.set_state(state["generator"])
+        restore_generator(self.generator, state["generator"])
         self.steps, self.built_at, self.dirty = int(state["steps"]), state["built_at"], state["dirty"]
         if self.dirty is not None:
             self.dirty = self.dirty.to(self.device)
