@@ -1,0 +1,222 @@
+"""Fused class-parallel margin softmax with Triton kernels: the (N, K) logits never exist.
+
+Legend: N rows of the global batch, K active classes of this shard, d embedding dim,
+S class splits.
+
+Same contract as :func:`ds_xc.head.softmax.fused_loss_and_grads` (the PyTorch path that
+defines the semantics): the sum of the loss rows and its gradients, class-parallel over
+``group``. Three phases per call:
+
+1. torch, O(N d): fp32 inverse row norms rx, rw (cosine losses), each row's target cosine
+   by a gather-dot (the target column lives on exactly one rank), and the margin logit
+   (z_t, dz_t) from :class:`ds_xc.head.margins.TargetLoss` (margins need acos, which has no
+   Triton equivalent under the interpreter).
+2. ``forward_stats_kernel``: per (row tile, class split) the running (max, sum-exp) of the
+   local logits, target replaced by z_t (masked out for D-Softmax). torch merges the splits,
+   then all-reduces MAX of the row max and SUM of [rescaled sum-exp, target term] over
+   ``group`` through :class:`~ds_xc.head.softmax.Reducer`, exactly as the PyTorch path.
+3. ``backward_kernel`` (only when a gradient is asked): recomputes every tile, forms
+   p = exp(z - lse) and the gradient coefficients, and accumulates A = G W (S partials
+   of (N, d), summed here) and rw * d/d(w/|w|) (K, d) per class tile (one writer per
+   element: deterministic). torch then applies the normalisation's backward,
+   dX_i = rx_i (A_i - (A_i . xhat_i) xhat_i), and :func:`finish_weight_grad` for W.
+
+``chunk_size`` is accepted for the contract and ignored: the kernels hold one tile of
+logits at a time, and the extra memory is S (N, d) fp32 partials of dX plus O(S N).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+import torch
+
+from ds_xc.head.margins import TargetLoss
+from ds_xc.head.softmax import Reducer, finish_weight_grad, inverse_row_norms
+
+__all__ = ["triton_fused_loss_and_grads", "TileConfig", "default_tiles", "SUPPORTED_DTYPES"]
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_EPS = 1e-12  # the PyTorch path's floor under the row norms
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """Launch parameters. block_* are powers of two >= 16 (tl.dot's minimum); ``splits`` is
+    the number of class splits S (programs of the backward, second grid axis of the forward);
+    ``precision`` is tl.dot's input_precision: "ieee" (full fp32) or "tf32" (GPU only, faster)."""
+    block_m: int = 64
+    block_n: int = 64
+    block_d: int = 32
+    splits: int = 128
+    precision: str = "ieee"
+    num_warps: int = 4
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_d"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"TileConfig.{name} = {v} must be a power of two >= 16")
+        if self.splits < 1:
+            raise ValueError(f"TileConfig.splits = {self.splits} must be >= 1")
+        if self.precision not in ("ieee", "tf32"):
+            raise ValueError(f"TileConfig.precision = {self.precision!r}: allowed 'ieee', 'tf32'")
+
+
+def default_tiles(device: torch.device) -> TileConfig:
+    """Small tiles under the interpreter (numpy per block), GPU-sized ones otherwise."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda":
+        return TileConfig(block_m=16, block_n=16, block_d=16, splits=3, num_warps=1)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return TileConfig(splits=2 * sms)
+
+
+def _check(x, w, targets, gw, accumulate):
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"expected x (N, d) and w (K, d) with equal d, got {tuple(x.shape)} and {tuple(w.shape)}")
+    for name, t in (("x", x), ("w", w)):
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"triton softmax: {name}.dtype = {t.dtype}; allowed {SUPPORTED_DTYPES} "
+                             "(use the torch backend for float64)")
+    if targets.shape != (x.shape[0],):
+        raise ValueError(f"targets must have shape ({x.shape[0]},), got {tuple(targets.shape)}")
+    if gw is not None and (gw.dtype != torch.float32 or gw.shape != w.shape or not gw.is_contiguous()):
+        raise ValueError(f"gw must be a contiguous float32 tensor of shape {tuple(w.shape)}, got "
+                         f"{gw.dtype} {tuple(gw.shape)}")
+    if accumulate and gw is None:
+        raise ValueError("accumulate=True needs the gw buffer to add to")
+
+
+def _target_cosines(x, w, targets, rx, rw, has_t):
+    """(N,) fp32 target cosine (raw target logit for plain softmax), 0 where the target is elsewhere."""
+    tt = torch.where(has_t, targets, torch.zeros_like(targets))
+    c = (x.float() * w.index_select(0, tt).float()).sum(dim=1)  # (N,) gather-dot
+    c = c * rx * rw.index_select(0, tt)
+    return torch.where(has_t, c, torch.zeros_like(c))
+
+
+def _row_stats(x, w, rx, rw, t32, zt, tiles, scale):
+    """Launch the forward kernel; (N,) local row max and sum-exp (sum-exp 0 where all masked)."""
+    from ops.triton_softmax_kernels import forward_stats_kernel
+    n, d = x.shape
+    k = w.shape[0]
+    num_tiles = _cdiv(k, tiles.block_n)
+    per = _cdiv(num_tiles, min(tiles.splits, num_tiles))
+    splits = _cdiv(num_tiles, per)
+    m = torch.empty((splits, n), dtype=torch.float32, device=x.device)  # (S, N)
+    lsum = torch.empty_like(m)
+    grid = (_cdiv(n, tiles.block_m), splits)
+    forward_stats_kernel[grid](x, w, rx, rw, t32, zt, m, lsum, n, k, d, per, scale,
+                               BM=tiles.block_m, BN=tiles.block_n, BD=tiles.block_d,
+                               PRECISION=tiles.precision, num_warps=tiles.num_warps)
+    m_loc = m.max(dim=0).values  # (N,)
+    lsum = torch.where(lsum > 0, lsum * torch.exp(m - m_loc[None, :]), torch.zeros_like(lsum)).sum(dim=0)
+    return m_loc, lsum
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _gradients(x, w, rx, rw, t32, lse, gt, need_gx, need_gw, gw, tiles, scale):
+    """Launch the backward kernel; returns A (N, d) fp32 or None, and adds into gw (K, d)."""
+    from ops.triton_softmax_kernels import backward_kernel
+    n, d = x.shape
+    k = w.shape[0]
+    num_tiles = _cdiv(k, tiles.block_n)
+    per = _cdiv(num_tiles, min(tiles.splits, num_tiles))
+    splits = _cdiv(num_tiles, per)
+    gxp = torch.zeros((splits, n, d) if need_gx else (1,), dtype=torch.float32, device=x.device)  # (S, N, d)
+    gw_arg = gw if need_gw else torch.zeros((1,), dtype=torch.float32, device=x.device)
+    backward_kernel[(splits,)](x, w, rx, rw, t32, lse, gt, gxp, gw_arg, n, k, d, per, scale,
+                               NEED_GX=need_gx, NEED_GW=need_gw,
+                               BM=tiles.block_m, BN=tiles.block_n, BD=tiles.block_d,
+                               PRECISION=tiles.precision, num_warps=tiles.num_warps)
+    return gxp.sum(dim=0) if need_gx else None  # (N, d)
+
+
+def triton_fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, loss: TargetLoss,
+                                group=None, chunk_size: int = 0, need_gx: bool = True, need_gw: bool = True,
+                                *, rw: Optional[torch.Tensor] = None, gw: Optional[torch.Tensor] = None,
+                                accumulate: bool = False, finish: bool = True,
+                                tiles: Optional[TileConfig] = None):
+    """Sum of the N loss rows and its gradients, as :func:`ds_xc.head.softmax.fused_loss_and_grads`.
+
+    x (N, d) and w (K, d) fp32, bf16 or fp16 (stored; computed in fp32); targets (N,) int
+    column of each row's class in w, or -1 where it lives on another rank of ``group``.
+    Returns (total: fp32 scalar, gx (N, d) fp32 or None, gw (K, d) fp32 or None). ``rw``,
+    ``gw``, ``accumulate`` and ``finish`` mean what they mean there; ``tiles`` overrides
+    :func:`default_tiles`. Every rank of ``group`` must call it with the same N.
+    """
+    _check(x, w, targets, gw, accumulate)
+    tiles = tiles or default_tiles(x.device)
+    red = Reducer(group)
+    n, k = x.shape[0], w.shape[0]
+    dev = x.device
+    x, w = x.contiguous(), w.contiguous()
+    targets = targets.to(device=dev, dtype=torch.int64)
+    has_t = targets >= 0
+    if loss.normalised:
+        rx = 1.0 / x.float().norm(dim=1).clamp_min(_EPS)  # (N,)
+        rw = (rw if rw is not None else inverse_row_norms(w, loss)).float().contiguous()  # (K,)
+    else:
+        rx = torch.ones(n, dtype=torch.float32, device=dev)
+        rw = torch.ones(k, dtype=torch.float32, device=dev)
+    scale = float(loss.scale) if loss.normalised else 1.0
+    c_t = _target_cosines(x, w, targets, rx, rw, has_t) if k else torch.zeros(n, device=dev)  # (N,)
+    zero = torch.zeros((), dtype=torch.float32, device=dev)
+    if loss.separate_target:
+        zt = torch.full((n,), float("-inf"), dtype=torch.float32, device=dev)
+    else:
+        zt, dz_t = loss.target_logit(c_t)
+        zt = torch.where(has_t, zt, zero).float().contiguous()
+    t32 = targets.to(torch.int32).contiguous()
+
+    if n and k:
+        m_loc, l_loc = _row_stats(x, w, rx, rw, t32, zt, tiles, scale)
+    else:
+        m_loc = torch.full((n,), -1.0e30, dtype=torch.float32, device=dev)
+        l_loc = torch.zeros(n, dtype=torch.float32, device=dev)
+    m = red.max_(m_loc.clone())
+    if loss.separate_target:
+        m = m.clamp_min_(0.0)  # the "1 +" term of D-Softmax is logit 0
+    local = torch.where(l_loc > 0, l_loc * torch.exp(m_loc - m), zero)
+    stats = torch.stack([local, c_t if loss.separate_target else torch.where(has_t, zt, zero)], 1)
+    red.sum_(stats)  # (N, 2): sum-exp over all classes, target term (lives on exactly one rank)
+    sumexp, target = stats[:, 0], stats[:, 1]
+    if loss.separate_target:
+        sumexp = sumexp + torch.exp(-m)
+        intra, d_intra = loss.target_term(target)
+        rows = m + torch.log(sumexp) + intra
+    else:
+        rows = m + torch.log(sumexp) - target
+    total = rows.sum()
+
+    if need_gw and gw is None:
+        gw = torch.empty((k, w.shape[1]), dtype=torch.float32, device=dev)  # (K, d)
+    if need_gw and not accumulate:
+        gw.zero_()
+    if not (need_gx or need_gw):
+        return total, None, None
+    lse = (m + torch.log(sumexp)).contiguous()  # (N,)
+    if loss.separate_target:
+        gt = d_intra
+    else:
+        gt = (torch.exp(zt - lse) - 1.0) * dz_t  # (N,) d row / d c at the target
+    gt = torch.where(has_t, gt, zero).float().contiguous()
+    a = None
+    if n and k:
+        a = _gradients(x, w, rx, rw, t32, lse, gt, need_gx, need_gw, gw, tiles, scale)
+    gx = None
+    if need_gx:
+        if a is None:
+            a = torch.zeros(x.shape, dtype=torch.float32, device=dev)
+        if loss.normalised:  # through x/|x|: remove the radial part, divide by |x|
+            xhat = x.float() * rx[:, None]  # (N, d)
+            a = a - xhat * (a * xhat).sum(dim=1, keepdim=True)
+            a = a * rx[:, None]
+        gx = a
+    if need_gw and finish:
+        finish_weight_grad(gw, w, rw, loss)
+    return total, gx, gw
