@@ -136,6 +136,66 @@ def _gradients(x, w, rx, rw, t32, lse, gt, need_gx, need_gw, gw, tiles, scale):
     return gxp.sum(dim=0) if need_gx else None  # (N, d)
 
 
+@dataclasses.dataclass
+class _Rows:
+    """Per-row fp32 inputs of the kernels, all (N,) except rw (K,)."""
+    rx: torch.Tensor  # 1 / |x_i| (ones for plain softmax)
+    rw: torch.Tensor  # 1 / |w_j| (ones for plain softmax)
+    t32: torch.Tensor  # target column or -1, int32
+    has_t: torch.Tensor  # bool: the target lives on this shard
+    c_t: torch.Tensor  # target cosine (raw logit for plain softmax), 0 elsewhere
+    zt: torch.Tensor  # target logit with the margin; -inf for D-Softmax (masked out)
+    dz_t: Optional[torch.Tensor]  # d zt / d c_t (None for D-Softmax)
+    scale: float
+
+
+def _prepare(x, w, targets, loss: TargetLoss, rw) -> _Rows:
+    """Norms, the target gather-dot and the margin, in torch on (N,) vectors."""
+    n, k, dev = x.shape[0], w.shape[0], x.device
+    targets = targets.to(device=dev, dtype=torch.int64)
+    has_t = targets >= 0
+    if loss.normalised:
+        rx = 1.0 / x.float().norm(dim=1).clamp_min(_EPS)  # (N,)
+        rw = (rw if rw is not None else inverse_row_norms(w, loss)).float().contiguous()  # (K,)
+    else:
+        rx = torch.ones(n, dtype=torch.float32, device=dev)
+        rw = torch.ones(k, dtype=torch.float32, device=dev)
+    c_t = _target_cosines(x, w, targets, rx, rw, has_t) if k else torch.zeros(n, device=dev)  # (N,)
+    dz_t = None
+    if loss.separate_target:
+        zt = torch.full((n,), float("-inf"), dtype=torch.float32, device=dev)
+    else:
+        zt, dz_t = loss.target_logit(c_t)
+        zt = torch.where(has_t, zt, torch.zeros_like(zt)).float().contiguous()
+    return _Rows(rx, rw, targets.to(torch.int32).contiguous(), has_t, c_t, zt, dz_t,
+                 float(loss.scale) if loss.normalised else 1.0)
+
+
+def _combine(m_loc, l_loc, r: _Rows, loss: TargetLoss, red: Reducer):
+    """Class-parallel merge of the local row stats, as the PyTorch path: all-reduce MAX of the
+    row max, then SUM of [rescaled sum-exp, target term]. Returns (rows (N,), lse (N,),
+    gt (N,)): the loss rows, the log partition function and d row / d c at the target."""
+    zero = torch.zeros((), dtype=torch.float32, device=m_loc.device)
+    m = red.max_(m_loc.clone())
+    if loss.separate_target:
+        m = m.clamp_min_(0.0)  # the "1 +" term of D-Softmax is logit 0
+    local = torch.where(l_loc > 0, l_loc * torch.exp(m_loc - m), zero)
+    stats = torch.stack([local, r.c_t if loss.separate_target else torch.where(r.has_t, r.zt, zero)], 1)
+    red.sum_(stats)  # (N, 2): sum-exp over all classes, target term (lives on exactly one rank)
+    sumexp, target = stats[:, 0], stats[:, 1]
+    if loss.separate_target:
+        sumexp = sumexp + torch.exp(-m)
+        intra, gt = loss.target_term(target)
+        lse = m + torch.log(sumexp)
+        rows = lse + intra
+    else:
+        lse = m + torch.log(sumexp)
+        rows = lse - target
+        gt = (torch.exp(r.zt - lse) - 1.0) * r.dz_t  # (N,)
+    gt = torch.where(r.has_t, gt, zero).float().contiguous()
+    return rows, lse.contiguous(), gt
+
+
 def triton_fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, loss: TargetLoss,
                                 group=None, chunk_size: int = 0, need_gx: bool = True, need_gw: bool = True,
                                 *, rw: Optional[torch.Tensor] = None, gw: Optional[torch.Tensor] = None,
@@ -151,72 +211,31 @@ def triton_fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch
     """
     _check(x, w, targets, gw, accumulate)
     tiles = tiles or default_tiles(x.device)
-    red = Reducer(group)
-    n, k = x.shape[0], w.shape[0]
-    dev = x.device
+    n, k, dev = x.shape[0], w.shape[0], x.device
     x, w = x.contiguous(), w.contiguous()
-    targets = targets.to(device=dev, dtype=torch.int64)
-    has_t = targets >= 0
-    if loss.normalised:
-        rx = 1.0 / x.float().norm(dim=1).clamp_min(_EPS)  # (N,)
-        rw = (rw if rw is not None else inverse_row_norms(w, loss)).float().contiguous()  # (K,)
-    else:
-        rx = torch.ones(n, dtype=torch.float32, device=dev)
-        rw = torch.ones(k, dtype=torch.float32, device=dev)
-    scale = float(loss.scale) if loss.normalised else 1.0
-    c_t = _target_cosines(x, w, targets, rx, rw, has_t) if k else torch.zeros(n, device=dev)  # (N,)
-    zero = torch.zeros((), dtype=torch.float32, device=dev)
-    if loss.separate_target:
-        zt = torch.full((n,), float("-inf"), dtype=torch.float32, device=dev)
-    else:
-        zt, dz_t = loss.target_logit(c_t)
-        zt = torch.where(has_t, zt, zero).float().contiguous()
-    t32 = targets.to(torch.int32).contiguous()
-
+    r = _prepare(x, w, targets, loss, rw)
     if n and k:
-        m_loc, l_loc = _row_stats(x, w, rx, rw, t32, zt, tiles, scale)
+        m_loc, l_loc = _row_stats(x, w, r.rx, r.rw, r.t32, r.zt, tiles, r.scale)  # (N,), (N,)
     else:
         m_loc = torch.full((n,), -1.0e30, dtype=torch.float32, device=dev)
         l_loc = torch.zeros(n, dtype=torch.float32, device=dev)
-    m = red.max_(m_loc.clone())
-    if loss.separate_target:
-        m = m.clamp_min_(0.0)  # the "1 +" term of D-Softmax is logit 0
-    local = torch.where(l_loc > 0, l_loc * torch.exp(m_loc - m), zero)
-    stats = torch.stack([local, c_t if loss.separate_target else torch.where(has_t, zt, zero)], 1)
-    red.sum_(stats)  # (N, 2): sum-exp over all classes, target term (lives on exactly one rank)
-    sumexp, target = stats[:, 0], stats[:, 1]
-    if loss.separate_target:
-        sumexp = sumexp + torch.exp(-m)
-        intra, d_intra = loss.target_term(target)
-        rows = m + torch.log(sumexp) + intra
-    else:
-        rows = m + torch.log(sumexp) - target
+    rows, lse, gt = _combine(m_loc, l_loc, r, loss, Reducer(group))
     total = rows.sum()
-
     if need_gw and gw is None:
         gw = torch.empty((k, w.shape[1]), dtype=torch.float32, device=dev)  # (K, d)
     if need_gw and not accumulate:
         gw.zero_()
     if not (need_gx or need_gw):
         return total, None, None
-    lse = (m + torch.log(sumexp)).contiguous()  # (N,)
-    if loss.separate_target:
-        gt = d_intra
-    else:
-        gt = (torch.exp(zt - lse) - 1.0) * dz_t  # (N,) d row / d c at the target
-    gt = torch.where(has_t, gt, zero).float().contiguous()
     a = None
     if n and k:
-        a = _gradients(x, w, rx, rw, t32, lse, gt, need_gx, need_gw, gw, tiles, scale)
+        a = _gradients(x, w, r.rx, r.rw, r.t32, lse, gt, need_gx, need_gw, gw, tiles, r.scale)  # (N, d)
     gx = None
     if need_gx:
-        if a is None:
-            a = torch.zeros(x.shape, dtype=torch.float32, device=dev)
+        gx = a if a is not None else torch.zeros(x.shape, dtype=torch.float32, device=dev)
         if loss.normalised:  # through x/|x|: remove the radial part, divide by |x|
-            xhat = x.float() * rx[:, None]  # (N, d)
-            a = a - xhat * (a * xhat).sum(dim=1, keepdim=True)
-            a = a * rx[:, None]
-        gx = a
+            xhat = x.float() * r.rx[:, None]  # (N, d)
+            gx = (gx - xhat * (gx * xhat).sum(dim=1, keepdim=True)) * r.rx[:, None]
     if need_gw and finish:
-        finish_weight_grad(gw, w, rw, loss)
+        finish_weight_grad(gw, w, r.rw, loss)
     return total, gx, gw

@@ -59,7 +59,7 @@ def forward_stats_kernel(x_ptr, w_ptr, rx_ptr, rw_ptr, t_ptr, zt_ptr, m_ptr, l_p
     zt = tl.load(zt_ptr + rows, mask=row_ok, other=0.0)
     m = tl.full((BM,), _FLOOR, dtype=tl.float32)
     lsum = tl.zeros((BM,), dtype=tl.float32)
-    for i in range(0, tiles_per_split):
+    for i in range(tiles_per_split):
         cols = (split * tiles_per_split + i) * BN + tl.arange(0, BN)
         col_ok = cols < K
         rw = tl.load(rw_ptr + cols, mask=col_ok, other=0.0)
@@ -103,7 +103,7 @@ def backward_kernel(x_ptr, w_ptr, rx_ptr, rw_ptr, t_ptr, lse_ptr, gt_ptr, gxp_pt
     Every output element has exactly one writer: no atomics, deterministic.
     """
     split = tl.program_id(0)
-    for i in range(0, tiles_per_split):
+    for i in range(tiles_per_split):
         cols = (split * tiles_per_split + i) * BN + tl.arange(0, BN)
         col_ok = cols < K
         rw = tl.load(rw_ptr + cols, mask=col_ok, other=0.0)

@@ -25,10 +25,10 @@ from ds_xc import config as cfg
 from ds_xc.head.margins import TargetLoss, build_loss
 from ds_xc.head.partition import shard_range
 from ds_xc.head.softmax import sharded_margin_loss
-from ops.softmax_backend import SOFTMAX_BACKENDS
 from ds_xc.parallel.collectives import all_gather_no_grad, all_gather_rows, gather_flat
 from ds_xc.parallel.groups import group_rank, group_size, is_distributed
 from ds_xc.sampling import ActiveSet, build_sampler
+from ops.softmax_backend import SOFTMAX_BACKENDS
 
 log = logging.getLogger(__name__)
 
