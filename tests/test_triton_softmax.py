@@ -123,6 +123,23 @@ def test_accumulate_unfinished_like_the_overlap_schedule():
     _close(gw, ref_gw, 2e-5)
 
 
+def _recorded_shapes(fn, *args):
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn(*args)
+    return {tuple(s) for e in prof.events() for s in e.input_shapes if isinstance(s, list)}
+
+
+def test_no_logits_tensor():
+    """No torch op of the triton path sees an (N, K) tensor; the PyTorch path's do (the check works)."""
+    n, k = 20, 200
+    x, w, t = _problem(10, n=n, k=k, d=16)
+    loss = build_loss(LOSSES["arcface"])
+    assert (n, k) in _recorded_shapes(fused_loss_and_grads, x, w, t, loss)
+    shapes = _recorded_shapes(triton_fused_loss_and_grads, x, w, t, loss)
+    assert (n, k) not in shapes and (k, n) not in shapes
+
+
 def test_empty_batch():
     loss = build_loss(LOSSES["arcface"])
     x, w, t = _problem(7, n=0)
