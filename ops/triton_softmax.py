@@ -35,7 +35,7 @@ import torch
 from ds_xc.head.margins import TargetLoss
 from ds_xc.head.softmax import Reducer, finish_weight_grad, inverse_row_norms
 
-__all__ = ["triton_fused_loss_and_grads", "TileConfig", "default_tiles", "SUPPORTED_DTYPES"]
+__all__ = ["triton_fused_loss_and_grads", "TileConfig", "default_tiles", "gpu_tiles", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _EPS = 1e-12  # the PyTorch path's floor under the row norms
@@ -64,12 +64,21 @@ class TileConfig:
             raise ValueError(f"TileConfig.precision = {self.precision!r}: allowed 'ieee', 'tf32'")
 
 
-def default_tiles(device: torch.device) -> TileConfig:
-    """Small tiles under the interpreter (numpy per block), GPU-sized ones otherwise."""
+def gpu_tiles(dtype: torch.dtype, num_sms: int) -> TileConfig:
+    """GPU tiles for inputs stored in ``dtype``. 16-bit inputs use tf32 tensor cores: their
+    products are exact in tf32 (8 or 10 mantissa bits fit in its 10), only the backward's fp32
+    coefficients are rounded to tf32. float32 inputs keep "ieee" (fp32 FMA, like torch's default
+    matmul). Sizes: no register spills in ptxas for sm_90 (docs/ops.md); speed unmeasured."""
+    if dtype in (torch.bfloat16, torch.float16):
+        return TileConfig(block_m=64, block_n=64, block_d=32, splits=2 * num_sms, precision="tf32", num_warps=8)
+    return TileConfig(block_m=64, block_n=32, block_d=16, splits=2 * num_sms, precision="ieee", num_warps=8)
+
+
+def default_tiles(device: torch.device, dtype: torch.dtype = torch.float32) -> TileConfig:
+    """Small tiles under the interpreter (numpy per block), :func:`gpu_tiles` otherwise."""
     if os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda":
         return TileConfig(block_m=16, block_n=16, block_d=16, splits=3, num_warps=1)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return TileConfig(splits=2 * sms)
+    return gpu_tiles(dtype, torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def _check(x, w, targets, gw, accumulate):
@@ -210,7 +219,7 @@ def triton_fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch
     :func:`default_tiles`. Every rank of ``group`` must call it with the same N.
     """
     _check(x, w, targets, gw, accumulate)
-    tiles = tiles or default_tiles(x.device)
+    tiles = tiles or default_tiles(x.device, w.dtype if w.dtype == x.dtype else torch.float32)
     n, k, dev = x.shape[0], w.shape[0], x.device
     x, w = x.contiguous(), w.contiguous()
     r = _prepare(x, w, targets, loss, rw)

@@ -23,7 +23,9 @@ import triton.language as tl
 
 __all__ = ["forward_stats_kernel", "backward_kernel"]
 
-_FLOOR = -1.0e30  # finite start of the running max: exp(m_old - m_new) never sees -inf - -inf
+# finite start of the running max, so exp(m_old - m_new) never sees -inf - -inf; a constexpr
+# because compiled kernels may read no other globals (the interpreter does not check this)
+_FLOOR = tl.constexpr(-1.0e30)
 
 
 @triton.jit
