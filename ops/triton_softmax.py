@@ -45,13 +45,16 @@ _EPS = 1e-12  # the PyTorch path's floor under the row norms
 class TileConfig:
     """Launch parameters. block_* are powers of two >= 16 (tl.dot's minimum); ``splits`` is
     the number of class splits S (programs of the backward, second grid axis of the forward);
-    ``precision`` is tl.dot's input_precision: "ieee" (full fp32) or "tf32" (GPU only, faster)."""
+    ``precision`` is tl.dot's input_precision: "ieee" (full fp32) or "tf32" (GPU only, faster);
+    ``max_partial_bytes`` caps the backward's S (N, d) fp32 dX partials by using fewer splits
+    there (at least one)."""
     block_m: int = 64
     block_n: int = 64
     block_d: int = 32
     splits: int = 128
     precision: str = "ieee"
     num_warps: int = 4
+    max_partial_bytes: int = 1 << 30
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_d"):
@@ -134,7 +137,8 @@ def _gradients(x, w, rx, rw, t32, lse, gt, need_gx, need_gw, gw, tiles, scale):
     n, d = x.shape
     k = w.shape[0]
     num_tiles = _cdiv(k, tiles.block_n)
-    per = _cdiv(num_tiles, min(tiles.splits, num_tiles))
+    cap = max(1, tiles.max_partial_bytes // max(4 * n * d, 1)) if need_gx else tiles.splits
+    per = _cdiv(num_tiles, min(tiles.splits, cap, num_tiles))
     splits = _cdiv(num_tiles, per)
     gxp = torch.zeros((splits, n, d) if need_gx else (1,), dtype=torch.float32, device=x.device)  # (S, N, d)
     gw_arg = gw if need_gw else torch.zeros((1,), dtype=torch.float32, device=x.device)

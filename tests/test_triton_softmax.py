@@ -96,10 +96,13 @@ def test_fp16_inputs(name):
 
 
 @pytest.mark.parametrize("tiles", [TileConfig(block_m=32, block_n=32, block_d=32, splits=1, num_warps=1),
-                                   TileConfig(block_m=16, block_n=16, block_d=16, splits=7, num_warps=1)])
+                                   TileConfig(block_m=16, block_n=16, block_d=16, splits=7, num_warps=1),
+                                   TileConfig(block_m=16, block_n=16, block_d=16, splits=4, num_warps=1,
+                                              max_partial_bytes=2 * 48 * 32 * 4)])
 @pytest.mark.parametrize("shape", [(5, 7, 8), (48, 70, 32)])
 def test_tile_shapes(tiles, shape):
-    """Problems smaller than one tile, and splits that do not divide the class tiles."""
+    """Problems smaller than one tile, splits that do not divide the class tiles, and fewer
+    backward splits than forward ones (the dX partials' memory cap)."""
     n, k, d = shape
     loss = build_loss(LOSSES["dsoftmax"])
     x, w, t = _problem(5, n=n, k=k, d=d)
