@@ -219,6 +219,17 @@ def test_backend_switch(monkeypatch):
                              cfg.HEAD_SECTION)
 
 
+def test_backend_when_triton_does_not_import(monkeypatch):
+    """A failed import (remembered by the loader) makes 'triton' an error naming the key."""
+    import ops.softmax_backend as sb
+    monkeypatch.setattr(sb, "_STATE", {"fn": None, "error": "ImportError: no module named 'triton'"})
+    x, w, _ = _problem(9)
+    assert sb.load_triton_softmax() is None
+    with pytest.raises(ValueError, match="softmax_backend = 'triton' cannot run: triton does not import"):
+        resolve_softmax("triton", x, w)
+    assert resolve_softmax("auto", x, w) is None
+
+
 @pytest.mark.parametrize("name", ["softmax", "arcface"])
 def test_head_backends_agree(name):
     """ClassParallelHead from a config: the triton backend's loss and autograd gradients ==
