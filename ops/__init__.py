@@ -3,6 +3,10 @@
 The Hamming top-k scan (binary codes + inverted file) used by the ANN sampler:
 ``hamming_topk_ivf``, ``hamming_topk_flat``, ``pack_signs``, ``unpack_bits`` and
 ``available_backends``; see docs/ops.md.
+
+The fused class-parallel margin softmax in Triton (``ops.triton_softmax``, chosen by
+``ops.softmax_backend``) is imported lazily, never here: Triton reads TRITON_INTERPRET
+when its kernels are decorated.
 """
 from ops.hamming import (available_backends, hamming_topk_flat, hamming_topk_ivf,
                          pack_signs, unpack_bits)

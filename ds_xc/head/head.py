@@ -28,6 +28,7 @@ from ds_xc.head.softmax import sharded_margin_loss
 from ds_xc.parallel.collectives import all_gather_no_grad, all_gather_rows, gather_flat
 from ds_xc.parallel.groups import group_rank, group_size, is_distributed
 from ds_xc.sampling import ActiveSet, build_sampler
+from ops.softmax_backend import SOFTMAX_BACKENDS
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +77,15 @@ class ClassParallelHead(nn.Module):
         nonfinite: "raise" (the default of a head used on its own) or "skip" (NaN/Inf embeddings:
             forward returns a NaN loss without a graph on every rank, touching neither the
             weights nor the sampler; XCEngine, whose config default is "skip", then skips the step).
+        softmax_backend: "torch" | "triton" | "auto", the implementation of the exact fused
+            softmax (ops/softmax_backend.py; extreme_classification.softmax_backend).
     """
 
     def __init__(self, embedding_dim: int, num_classes: int, loss="softmax", sampler="full",
                  group=None, chunk_size: int = 0, dtype: Union[str, torch.dtype] = torch.float32,
                  init_std: float = 0.01, seed: int = 0, update: str = "dense",
-                 check_inputs: bool = True, nonfinite: str = "raise", device=None):
+                 check_inputs: bool = True, nonfinite: str = "raise", device=None,
+                 softmax_backend: str = "torch"):
         super().__init__()
         if isinstance(dtype, str):
             if dtype not in _DTYPES:
@@ -100,6 +104,10 @@ class ClassParallelHead(nn.Module):
         if nonfinite not in ("skip", "raise"):
             raise cfg.ConfigError(f"{cfg.HEAD_SECTION}.nonfinite: got {nonfinite!r}; allowed: 'skip', 'raise'")
         self.chunk_size, self.update, self.check_inputs = int(chunk_size), update, bool(check_inputs)
+        if softmax_backend not in SOFTMAX_BACKENDS:
+            raise cfg.ConfigError(f"{cfg.HEAD_SECTION}.softmax_backend: got {softmax_backend!r}; "
+                                  f"allowed: {', '.join(map(repr, SOFTMAX_BACKENDS))}")
+        self.softmax_backend = softmax_backend
         self.nonfinite, self.nonfinite_inputs = nonfinite, 0  # policy; steps whose input was non-finite
         self.seed = int(seed)
         self.weight = nn.Parameter(init_shard(self.num_classes, self.embedding_dim, self.class_start,
@@ -120,7 +128,8 @@ class ClassParallelHead(nn.Module):
         c = cfg.validate_section(cfg.HeadConfig, section, cfg.HEAD_SECTION)
         return cls(c.embedding_dim, c.num_classes, loss=c.loss, sampler=c.sampler, group=group,
                    chunk_size=c.chunk_size, dtype=c.dtype, init_std=c.init_std, seed=c.seed,
-                   update=c.optimizer.update, check_inputs=c.check_inputs, nonfinite=c.nonfinite, device=device)
+                   update=c.optimizer.update, check_inputs=c.check_inputs, nonfinite=c.nonfinite, device=device,
+                   softmax_backend=c.softmax_backend)
 
     def extra_repr(self) -> str:
         return (f"embedding_dim={self.embedding_dim}, num_classes={self.num_classes}, "
@@ -227,7 +236,8 @@ class ClassParallelHead(nn.Module):
                 w = self.weight  # (L, d)
             else:  # (K, d); a row-sparse gradient for lazy updates
                 w = F.embedding(index, self.weight, sparse=self.update == "lazy")
-            part = sharded_margin_loss(x[rows], w, active.targets[rows], self.loss_fn, self.group, self.chunk_size)
+            part = sharded_margin_loss(x[rows], w, active.targets[rows], self.loss_fn, self.group, self.chunk_size,
+                                       self.softmax_backend)
             if active.bounds is not None:
                 part = part * ((rows.stop - rows.start) / max(n, 1))
             total = part if total is None else total + part

@@ -160,7 +160,7 @@ def finish_weight_grad(gw: torch.Tensor, w: torch.Tensor, rw: Optional[torch.Ten
 def fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, loss: TargetLoss,
                          group=None, chunk_size: int = 0, need_gx: bool = True, need_gw: bool = True, *,
                          rw: Optional[torch.Tensor] = None, gw: Optional[torch.Tensor] = None,
-                         accumulate: bool = False, finish: bool = True):
+                         accumulate: bool = False, finish: bool = True, backend: str = "torch"):
     """Sum of the N loss rows and its gradients, in one pass over row chunks (no autograd).
 
     x (N, d), w (K, d), targets (N,) as for :func:`sharded_margin_loss`. Returns
@@ -174,7 +174,16 @@ def fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor
     once), ``gw`` a (K, d) buffer that the call overwrites or, with ``accumulate``, adds
     to, and ``finish=False`` to leave the cosine normalisation's backward to one
     :func:`finish_weight_grad` at the end.
+
+    ``backend`` (``extreme_classification.softmax_backend``): "torch" runs the code below;
+    "triton" or "auto" may hand the call to the fused Triton kernels (ops/softmax_backend.py).
     """
+    if backend != "torch":
+        from ops.softmax_backend import resolve_softmax  # lazy: triton loads only when asked
+        fused = resolve_softmax(backend, x, w)
+        if fused is not None:
+            return fused(x, w, targets, loss, group, chunk_size, need_gx, need_gw,
+                         rw=rw, gw=gw, accumulate=accumulate, finish=finish)
     need_grad = need_gx or need_gw
     red = Reducer(group)
     n_rows, k = x.shape[0], w.shape[0]
@@ -215,9 +224,9 @@ class _ShardedMarginLoss(torch.autograd.Function):
     backward: the stored gradients times grad_output."""
 
     @staticmethod
-    def forward(ctx, x, w, targets, loss, group, chunk_size):
+    def forward(ctx, x, w, targets, loss, group, chunk_size, backend="torch"):
         total, gx, gw = fused_loss_and_grads(x, w, targets, loss, group, chunk_size,
-                                             ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+                                             ctx.needs_input_grad[0], ctx.needs_input_grad[1], backend=backend)
         ctx.grads = (gx, gw)
         ctx.n_rows = max(x.shape[0], 1)
         ctx.dtypes = (x.dtype, w.dtype)
@@ -235,7 +244,7 @@ class _ShardedMarginLoss(torch.autograd.Function):
             gx = gx.mul_(scale).to(ctx.dtypes[0])
         if gw is not None:
             gw = gw.mul_(scale).to(ctx.dtypes[1])
-        return gx, gw, None, None, None, None
+        return gx, gw, None, None, None, None, None
 
 
 def _mm_rows(m: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -246,16 +255,17 @@ def _mm_rows(m: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def sharded_margin_loss(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, loss: TargetLoss,
-                        group=None, chunk_size: int = 0) -> torch.Tensor:
+                        group=None, chunk_size: int = 0, backend: str = "torch") -> torch.Tensor:
     """Mean loss over the rows of ``x`` for classes sharded over ``group``.
 
     x (N, d): the global batch (identical on every rank); w (K, d): this rank's active
     class rows; targets (N,): column of each row's class in ``w``, or -1 where the class
     is on another rank. Every class of the batch must be active on exactly one rank.
-    Gradients follow the loss value (the global mean); ``chunk_size`` rows per chunk (0: all).
+    Gradients follow the loss value (the global mean); ``chunk_size`` rows per chunk (0: all);
+    ``backend``: "torch" | "triton" | "auto", as for :func:`fused_loss_and_grads`.
     """
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"expected x (N, d) and w (K, d) with equal d, got {tuple(x.shape)} and {tuple(w.shape)}")
     if targets.shape != (x.shape[0],):
         raise ValueError(f"targets must have shape ({x.shape[0]},), got {tuple(targets.shape)}")
-    return _ShardedMarginLoss.apply(x, w, targets, loss, group, int(chunk_size))
+    return _ShardedMarginLoss.apply(x, w, targets, loss, group, int(chunk_size), backend)

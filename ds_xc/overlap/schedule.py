@@ -233,7 +233,8 @@ class ChunkedHeadSchedule:
                 xs, ts = xc[sel], targets[sel]
             rows_total, gx, gw = fused_loss_and_grads(xs, w, ts, head.loss_fn, head.group, head.chunk_size,
                                                       need_gx, need_gw, rw=norms[g], gw=gw_sum[g],
-                                                      accumulate=gw_sum[g] is not None, finish=False)
+                                                      accumulate=gw_sum[g] is not None, finish=False,
+                                                      backend=head.softmax_backend)
             total += rows_total.to(total.dtype)
             gw_sum[g] = gw
             if sel is None:

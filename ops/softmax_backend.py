@@ -1,0 +1,101 @@
+"""Which implementation runs the head's fused softmax: the PyTorch path or the Triton kernels.
+
+The config key ``extreme_classification.softmax_backend`` takes
+
+- ``torch``: :func:`ds_xc.head.softmax.fused_loss_and_grads` (any device and dtype; the
+  semantics);
+- ``triton``: :func:`ops.triton_softmax.triton_fused_loss_and_grads`; an error naming the
+  key when Triton does not import, when the tensors are on the CPU without
+  ``TRITON_INTERPRET=1`` (the interpreter, slow, for tests), or for float64;
+- ``auto``: triton for CUDA tensors of a supported dtype when Triton imports, else torch
+  (CPU runs keep the PyTorch path). The choice is logged once per (device type, choice).
+
+As ``ops.builders.load_op``, the kernel module is imported at most once per process, lazily
+(Triton reads ``TRITON_INTERPRET`` when the kernels are decorated), and a failed import is
+logged once and remembered.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from typing import Callable, Optional
+
+import torch
+
+__all__ = ["SOFTMAX_BACKENDS", "KEY", "check_backend", "triton_usable", "load_triton_softmax",
+           "resolve_softmax"]
+
+logger = logging.getLogger(__name__)
+
+SOFTMAX_BACKENDS = ("auto", "torch", "triton")
+KEY = "extreme_classification.softmax_backend"
+_SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
+_STATE: dict = {}  # "fn" -> the loaded entry point or None, "error" -> why not
+_LOGGED: set = set()
+
+
+def _log_once(level: int, msg: str) -> None:
+    if msg not in _LOGGED:
+        _LOGGED.add(msg)
+        logger.log(level, msg)
+
+
+def check_backend(backend: str) -> str:
+    """The name itself, or ValueError naming the key and the allowed values."""
+    if backend not in SOFTMAX_BACKENDS:
+        raise ValueError(f"{KEY}: got {backend!r}; allowed: {', '.join(map(repr, SOFTMAX_BACKENDS))}")
+    return backend
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def load_triton_softmax() -> Optional[Callable]:
+    """``triton_fused_loss_and_grads``, or None when Triton does not import (logged once)."""
+    if "fn" not in _STATE:
+        try:
+            mod = importlib.import_module("ops.triton_softmax")
+            importlib.import_module("ops.triton_softmax_kernels")  # triton itself, and the jit decoration
+        except Exception as exc:  # ImportError, or a Triton that fails to initialise
+            _STATE["fn"], _STATE["error"] = None, f"{type(exc).__name__}: {exc}"
+            _log_once(logging.WARNING, f"ds_xc triton softmax unavailable ({_STATE['error']}); "
+                      "the PyTorch path runs")
+        else:
+            _STATE["fn"], _STATE["error"] = mod.triton_fused_loss_and_grads, None
+            mode = "the interpreter (TRITON_INTERPRET=1)" if interpreting() else "compiled kernels"
+            _log_once(logging.INFO, f"ds_xc triton softmax loaded: {mode}")
+    return _STATE["fn"]
+
+
+def triton_usable(device: torch.device) -> tuple[bool, str]:
+    """(usable, reason) for tensors on ``device``: Triton imports and either the device is
+    CUDA or the interpreter is on."""
+    if device.type != "cuda" and not interpreting():
+        return False, f"tensors are on {device.type}; triton needs CUDA tensors (or TRITON_INTERPRET=1 for tests)"
+    if load_triton_softmax() is None:
+        return False, f"triton does not import: {_STATE['error']}"
+    return True, ""
+
+
+def resolve_softmax(backend: str, x: torch.Tensor, w: torch.Tensor) -> Optional[Callable]:
+    """The Triton entry point when ``backend`` selects it for these tensors, None for the
+    PyTorch path. ``triton`` that cannot run raises ValueError naming the key."""
+    check_backend(backend)
+    if backend == "torch":
+        return None
+    dtype_ok = x.dtype in _SUPPORTED and w.dtype in _SUPPORTED
+    if backend == "triton":
+        if not dtype_ok:
+            raise ValueError(f"{KEY} = 'triton': dtypes x {x.dtype}, w {w.dtype}; the kernels support "
+                             f"{', '.join(map(str, _SUPPORTED))} (use 'torch' or 'auto' for float64)")
+        ok, why = triton_usable(w.device)
+        if not ok:
+            raise ValueError(f"{KEY} = 'triton' cannot run: {why}; use 'auto' or 'torch'")
+        return load_triton_softmax()
+    use = w.device.type == "cuda" and dtype_ok and load_triton_softmax() is not None
+    _log_once(logging.INFO, f"{KEY} = 'auto' uses {'triton' if use else 'torch'} for {w.device.type} "
+              f"tensors ({w.dtype})")
+    return load_triton_softmax() if use else None

@@ -1,0 +1,254 @@
+"""Fused class-parallel margin softmax with Triton kernels: the (N, K) logits never exist.
+
+Legend: N rows of the global batch, K active classes of this shard, d embedding dim,
+S class splits.
+
+Same contract as :func:`ds_xc.head.softmax.fused_loss_and_grads` (the PyTorch path that
+defines the semantics): the sum of the loss rows and its gradients, class-parallel over
+``group``. Three phases per call:
+
+1. torch, O(N d): fp32 inverse row norms rx, rw (cosine losses), each row's target cosine
+   by a gather-dot (the target column lives on exactly one rank), and the margin logit
+   (z_t, dz_t) from :class:`ds_xc.head.margins.TargetLoss` (margins need acos, which has no
+   Triton equivalent under the interpreter).
+2. ``forward_stats_kernel``: per (row tile, class split) the running (max, sum-exp) of the
+   local logits, target replaced by z_t (masked out for D-Softmax). torch merges the splits,
+   then all-reduces MAX of the row max and SUM of [rescaled sum-exp, target term] over
+   ``group`` through :class:`~ds_xc.head.softmax.Reducer`, exactly as the PyTorch path.
+3. ``backward_kernel`` (only when a gradient is asked): recomputes every tile, forms
+   p = exp(z - lse) and the gradient coefficients, and accumulates A = G W (S partials
+   of (N, d), summed here) and rw * d/d(w/|w|) (K, d) per class tile (one writer per
+   element: deterministic). torch then applies the normalisation's backward,
+   dX_i = rx_i (A_i - (A_i . xhat_i) xhat_i), and :func:`finish_weight_grad` for W.
+
+``chunk_size`` is accepted for the contract and ignored: the kernels hold one tile of
+logits at a time, and the extra memory is S (N, d) fp32 partials of dX plus O(S N).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+import torch
+
+from ds_xc.head.margins import TargetLoss
+from ds_xc.head.softmax import Reducer, finish_weight_grad, inverse_row_norms
+
+__all__ = ["triton_fused_loss_and_grads", "TileConfig", "default_tiles", "gpu_tiles", "SUPPORTED_DTYPES"]
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_EPS = 1e-12  # the PyTorch path's floor under the row norms
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """Launch parameters. block_* are powers of two >= 16 (tl.dot's minimum); ``splits`` is
+    the number of class splits S (programs of the backward, second grid axis of the forward);
+    ``precision`` is tl.dot's input_precision: "ieee" (full fp32) or "tf32" (GPU only, faster);
+    ``max_partial_bytes`` caps the backward's S (N, d) fp32 dX partials by using fewer splits
+    there (at least one)."""
+    block_m: int = 64
+    block_n: int = 64
+    block_d: int = 32
+    splits: int = 128
+    precision: str = "ieee"
+    num_warps: int = 4
+    max_partial_bytes: int = 1 << 30
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_d"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"TileConfig.{name} = {v} must be a power of two >= 16")
+        if self.splits < 1:
+            raise ValueError(f"TileConfig.splits = {self.splits} must be >= 1")
+        if self.precision not in ("ieee", "tf32"):
+            raise ValueError(f"TileConfig.precision = {self.precision!r}: allowed 'ieee', 'tf32'")
+
+
+def gpu_tiles(dtype: torch.dtype, num_sms: int) -> TileConfig:
+    """GPU tiles for inputs stored in ``dtype``. 16-bit inputs use tf32 tensor cores: their
+    products are exact in tf32 (8 or 10 mantissa bits fit in its 10), only the backward's fp32
+    coefficients are rounded to tf32. float32 inputs keep "ieee" (fp32 FMA, like torch's default
+    matmul). Sizes: no register spills in ptxas for sm_90 (docs/ops.md); speed unmeasured."""
+    if dtype in (torch.bfloat16, torch.float16):
+        return TileConfig(block_m=64, block_n=64, block_d=32, splits=2 * num_sms, precision="tf32", num_warps=8)
+    return TileConfig(block_m=64, block_n=32, block_d=16, splits=2 * num_sms, precision="ieee", num_warps=8)
+
+
+def default_tiles(device: torch.device, dtype: torch.dtype = torch.float32) -> TileConfig:
+    """Small tiles under the interpreter (numpy per block), :func:`gpu_tiles` otherwise."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda":
+        return TileConfig(block_m=16, block_n=16, block_d=16, splits=3, num_warps=1)
+    return gpu_tiles(dtype, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def _check(x, w, targets, gw, accumulate):
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"expected x (N, d) and w (K, d) with equal d, got {tuple(x.shape)} and {tuple(w.shape)}")
+    for name, t in (("x", x), ("w", w)):
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"triton softmax: {name}.dtype = {t.dtype}; allowed {SUPPORTED_DTYPES} "
+                             "(use the torch backend for float64)")
+    if targets.shape != (x.shape[0],):
+        raise ValueError(f"targets must have shape ({x.shape[0]},), got {tuple(targets.shape)}")
+    if gw is not None and (gw.dtype != torch.float32 or gw.shape != w.shape or not gw.is_contiguous()):
+        raise ValueError(f"gw must be a contiguous float32 tensor of shape {tuple(w.shape)}, got "
+                         f"{gw.dtype} {tuple(gw.shape)}")
+    if accumulate and gw is None:
+        raise ValueError("accumulate=True needs the gw buffer to add to")
+
+
+def _target_cosines(x, w, targets, rx, rw, has_t):
+    """(N,) fp32 target cosine (raw target logit for plain softmax), 0 where the target is elsewhere."""
+    tt = torch.where(has_t, targets, torch.zeros_like(targets))
+    c = (x.float() * w.index_select(0, tt).float()).sum(dim=1)  # (N,) gather-dot
+    c = c * rx * rw.index_select(0, tt)
+    return torch.where(has_t, c, torch.zeros_like(c))
+
+
+def _row_stats(x, w, rx, rw, t32, zt, tiles, scale):
+    """Launch the forward kernel; (N,) local row max and sum-exp (sum-exp 0 where all masked)."""
+    from ops.triton_softmax_kernels import forward_stats_kernel
+    n, d = x.shape
+    k = w.shape[0]
+    num_tiles = _cdiv(k, tiles.block_n)
+    per = _cdiv(num_tiles, min(tiles.splits, num_tiles))
+    splits = _cdiv(num_tiles, per)
+    m = torch.empty((splits, n), dtype=torch.float32, device=x.device)  # (S, N)
+    lsum = torch.empty_like(m)
+    grid = (_cdiv(n, tiles.block_m), splits)
+    forward_stats_kernel[grid](x, w, rx, rw, t32, zt, m, lsum, n, k, d, per, scale,
+                               BM=tiles.block_m, BN=tiles.block_n, BD=tiles.block_d,
+                               PRECISION=tiles.precision, num_warps=tiles.num_warps)
+    m_loc = m.max(dim=0).values  # (N,)
+    lsum = torch.where(lsum > 0, lsum * torch.exp(m - m_loc[None, :]), torch.zeros_like(lsum)).sum(dim=0)
+    return m_loc, lsum
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _gradients(x, w, rx, rw, t32, lse, gt, need_gx, need_gw, gw, tiles, scale):
+    """Launch the backward kernel; returns A (N, d) fp32 or None, and adds into gw (K, d)."""
+    from ops.triton_softmax_kernels import backward_kernel
+    n, d = x.shape
+    k = w.shape[0]
+    num_tiles = _cdiv(k, tiles.block_n)
+    cap = max(1, tiles.max_partial_bytes // max(4 * n * d, 1)) if need_gx else tiles.splits
+    per = _cdiv(num_tiles, min(tiles.splits, cap, num_tiles))
+    splits = _cdiv(num_tiles, per)
+    gxp = torch.zeros((splits, n, d) if need_gx else (1,), dtype=torch.float32, device=x.device)  # (S, N, d)
+    gw_arg = gw if need_gw else torch.zeros((1,), dtype=torch.float32, device=x.device)
+    backward_kernel[(splits,)](x, w, rx, rw, t32, lse, gt, gxp, gw_arg, n, k, d, per, scale,
+                               NEED_GX=need_gx, NEED_GW=need_gw,
+                               BM=tiles.block_m, BN=tiles.block_n, BD=tiles.block_d,
+                               PRECISION=tiles.precision, num_warps=tiles.num_warps)
+    return gxp.sum(dim=0) if need_gx else None  # (N, d)
+
+
+@dataclasses.dataclass
+class _Rows:
+    """Per-row fp32 inputs of the kernels, all (N,) except rw (K,)."""
+    rx: torch.Tensor  # 1 / |x_i| (ones for plain softmax)
+    rw: torch.Tensor  # 1 / |w_j| (ones for plain softmax)
+    t32: torch.Tensor  # target column or -1, int32
+    has_t: torch.Tensor  # bool: the target lives on this shard
+    c_t: torch.Tensor  # target cosine (raw logit for plain softmax), 0 elsewhere
+    zt: torch.Tensor  # target logit with the margin; -inf for D-Softmax (masked out)
+    dz_t: Optional[torch.Tensor]  # d zt / d c_t (None for D-Softmax)
+    scale: float
+
+
+def _prepare(x, w, targets, loss: TargetLoss, rw) -> _Rows:
+    """Norms, the target gather-dot and the margin, in torch on (N,) vectors."""
+    n, k, dev = x.shape[0], w.shape[0], x.device
+    targets = targets.to(device=dev, dtype=torch.int64)
+    has_t = targets >= 0
+    if loss.normalised:
+        rx = 1.0 / x.float().norm(dim=1).clamp_min(_EPS)  # (N,)
+        rw = (rw if rw is not None else inverse_row_norms(w, loss)).float().contiguous()  # (K,)
+    else:
+        rx = torch.ones(n, dtype=torch.float32, device=dev)
+        rw = torch.ones(k, dtype=torch.float32, device=dev)
+    c_t = _target_cosines(x, w, targets, rx, rw, has_t) if k else torch.zeros(n, device=dev)  # (N,)
+    dz_t = None
+    if loss.separate_target:
+        zt = torch.full((n,), float("-inf"), dtype=torch.float32, device=dev)
+    else:
+        zt, dz_t = loss.target_logit(c_t)
+        zt = torch.where(has_t, zt, torch.zeros_like(zt)).float().contiguous()
+    return _Rows(rx, rw, targets.to(torch.int32).contiguous(), has_t, c_t, zt, dz_t,
+                 float(loss.scale) if loss.normalised else 1.0)
+
+
+def _combine(m_loc, l_loc, r: _Rows, loss: TargetLoss, red: Reducer):
+    """Class-parallel merge of the local row stats, as the PyTorch path: all-reduce MAX of the
+    row max, then SUM of [rescaled sum-exp, target term]. Returns (rows (N,), lse (N,),
+    gt (N,)): the loss rows, the log partition function and d row / d c at the target."""
+    zero = torch.zeros((), dtype=torch.float32, device=m_loc.device)
+    m = red.max_(m_loc.clone())
+    if loss.separate_target:
+        m = m.clamp_min_(0.0)  # the "1 +" term of D-Softmax is logit 0
+    local = torch.where(l_loc > 0, l_loc * torch.exp(m_loc - m), zero)
+    stats = torch.stack([local, r.c_t if loss.separate_target else torch.where(r.has_t, r.zt, zero)], 1)
+    red.sum_(stats)  # (N, 2): sum-exp over all classes, target term (lives on exactly one rank)
+    sumexp, target = stats[:, 0], stats[:, 1]
+    if loss.separate_target:
+        sumexp = sumexp + torch.exp(-m)
+        intra, gt = loss.target_term(target)
+        lse = m + torch.log(sumexp)
+        rows = lse + intra
+    else:
+        lse = m + torch.log(sumexp)
+        rows = lse - target
+        gt = (torch.exp(r.zt - lse) - 1.0) * r.dz_t  # (N,)
+    gt = torch.where(r.has_t, gt, zero).float().contiguous()
+    return rows, lse.contiguous(), gt
+
+
+def triton_fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, loss: TargetLoss,
+                                group=None, chunk_size: int = 0, need_gx: bool = True, need_gw: bool = True,
+                                *, rw: Optional[torch.Tensor] = None, gw: Optional[torch.Tensor] = None,
+                                accumulate: bool = False, finish: bool = True,
+                                tiles: Optional[TileConfig] = None):
+    """Sum of the N loss rows and its gradients, as :func:`ds_xc.head.softmax.fused_loss_and_grads`.
+
+    x (N, d) and w (K, d) fp32, bf16 or fp16 (stored; computed in fp32); targets (N,) int
+    column of each row's class in w, or -1 where it lives on another rank of ``group``.
+    Returns (total: fp32 scalar, gx (N, d) fp32 or None, gw (K, d) fp32 or None). ``rw``,
+    ``gw``, ``accumulate`` and ``finish`` mean what they mean there; ``tiles`` overrides
+    :func:`default_tiles`. Every rank of ``group`` must call it with the same N.
+    """
+    _check(x, w, targets, gw, accumulate)
+    tiles = tiles or default_tiles(x.device, w.dtype if w.dtype == x.dtype else torch.float32)
+    n, k, dev = x.shape[0], w.shape[0], x.device
+    x, w = x.contiguous(), w.contiguous()
+    r = _prepare(x, w, targets, loss, rw)
+    if n and k:
+        m_loc, l_loc = _row_stats(x, w, r.rx, r.rw, r.t32, r.zt, tiles, r.scale)  # (N,), (N,)
+    else:
+        m_loc = torch.full((n,), -1.0e30, dtype=torch.float32, device=dev)
+        l_loc = torch.zeros(n, dtype=torch.float32, device=dev)
+    rows, lse, gt = _combine(m_loc, l_loc, r, loss, Reducer(group))
+    total = rows.sum()
+    if need_gw and gw is None:
+        gw = torch.empty((k, w.shape[1]), dtype=torch.float32, device=dev)  # (K, d)
+    if need_gw and not accumulate:
+        gw.zero_()
+    if not (need_gx or need_gw):
+        return total, None, None
+    a = None
+    if n and k:
+        a = _gradients(x, w, r.rx, r.rw, r.t32, lse, gt, need_gx, need_gw, gw, tiles, r.scale)  # (N, d)
+    gx = None
+    if need_gx:
+        gx = a if a is not None else torch.zeros(x.shape, dtype=torch.float32, device=dev)
+        if loss.normalised:  # through x/|x|: remove the radial part, divide by |x|
+            xhat = x.float() * r.rx[:, None]  # (N, d)
+            gx = (gx - xhat * (gx * xhat).sum(dim=1, keepdim=True)) * r.rx[:, None]
+    if need_gw and finish:
+        finish_weight_grad(gw, w, r.rw, loss)
+    return total, gx, gw
