@@ -89,3 +89,42 @@ def test_auto_keeps_cpu_tensors_on_torch(monkeypatch):
     monkeypatch.setattr(S, "_select_triton", lambda *a: pytest.fail("triton used for a CPU tensor"))
     v = values(100, torch.float32).cpu()
     assert_same(select_above(v, 0.3), select_above_torch(v, 0.3), v.dtype)
+
+
+@pytest.mark.parametrize("power", [1.0, 3.0])
+def test_bayes_sampling_through_the_kernel_is_identical(power):
+    """bayes.sample_indices with the Triton threshold pass keeps exactly the same elements."""
+    import functools
+
+    from ds_xc.compression import bayes
+    v = values(3000, torch.float32, seed=11)
+    tau = float(v.abs().quantile(0.95))
+    kernel = functools.partial(select_above, backend="triton", block=256)
+    got = bayes.sample_indices(v, tau, 0.25, None, 0.0, torch.Generator(DEV).manual_seed(5), power, select=kernel)
+    want = bayes.sample_indices(v, tau, 0.25, None, 0.0, torch.Generator(DEV).manual_seed(5), power)
+    assert got.numel() > 0 and torch.equal(got, want)
+
+
+def test_bayes_prior_uses_the_kernel_only_for_cuda_tensors(monkeypatch):
+    from ds_xc.compression import compressors
+    from ds_xc.compression.config import GradientCompressionConfig
+    comp = compressors.build_compressor(GradientCompressionConfig(method="bayes_prior", density=0.05))
+    v = values(2000, torch.float32, seed=2).cpu()
+    counts = comp.local_histogram(v, bayes_top(v), None)
+    tstate = {}
+    comp.update(tstate, counts, bayes_top(v))
+    want = comp.select(v, tstate, torch.Generator().manual_seed(1), None)
+    monkeypatch.setattr(compressors, "_threshold_pass", lambda b: pytest.fail("kernel used on CPU"))
+    got = comp.select(v, tstate, torch.Generator().manual_seed(1), None)
+    assert want.numel() > 0 and torch.equal(got, want)
+    monkeypatch.undo()
+    if torch.cuda.is_available():  # the CUDA path: same elements as the torch pass
+        vc, g = v.cuda(), torch.Generator("cuda")
+        got = comp.select(vc, tstate, g.manual_seed(1), None)
+        monkeypatch.setattr(compressors.BayesPrior, "select_backend", "torch")
+        assert torch.equal(got, comp.select(vc, tstate, g.manual_seed(1), None))
+
+
+def bayes_top(v):
+    from ds_xc.compression import bayes
+    return bayes.log2_ceil_max(v.abs())
