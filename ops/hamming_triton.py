@@ -11,11 +11,13 @@ power of two). The distance of a row is the sum over words of popcount(q xor c):
 libdevice ``popc`` on a GPU, a SWAR bit trick under the interpreter (no libdevice
 there). Each candidate becomes one int64 key ``dist << 52 | id`` (ids < 2^52), so
 ordering keys is ordering by (distance, id) with ties to the smaller id. A program
-keeps its K_PAD smallest keys sorted (K_PAD = next power of two >= k); a tile is merged
-only when its smallest key beats the current K_PAD-th: sort the tile, keep its K_PAD
-smallest, join with the running keys, sort the 2 K_PAD and keep the first half. The
-splits' keys (N, S, K_PAD) are merged by one torch sort, decoded and padded with
-(code_bits + 1, -1).
+keeps its K_PAD smallest keys sorted (K_PAD = next power of two >= k, BLOCK_R =
+max(K_PAD, 128)); a tile is merged only when its smallest key beats the current K_PAD-th
+(a constexpr picks how): "sort" (the GPU default) sorts the tile, keeps its K_PAD
+smallest, joins them with the running keys, sorts the 2 K_PAD and keeps the first half;
+"rank" (the interpreter default, where tl.sort is ~100x slower) ranks the keys by
+counting over a comparison matrix. The splits' keys (N, S, K_PAD) are merged by one
+torch sort, decoded and padded with (code_bits + 1, -1).
 
 Shape legend: N queries, W int32 words per code, R rows, L lists, P probes, S splits.
 """
