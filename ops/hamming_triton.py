@@ -15,8 +15,8 @@ keeps its K_PAD smallest keys sorted (K_PAD = next power of two >= k, BLOCK_R =
 max(K_PAD, 128)); a tile is merged only when its smallest key beats the current K_PAD-th
 (a constexpr picks how): "sort" (the GPU default) sorts the tile, keeps its K_PAD
 smallest, joins them with the running keys, sorts the 2 K_PAD and keeps the first half;
-"rank" (the interpreter default, where tl.sort is ~100x slower) ranks the keys by
-counting over a comparison matrix. The splits' keys (N, S, K_PAD) are merged by one
+"rank" (the interpreter default, where tl.sort is ~100x slower) ranks the tile's keys
+by counting over a comparison matrix and merges them with the running keys by rank. The splits' keys (N, S, K_PAD) are merged by one
 torch sort, decoded and padded with (code_bits + 1, -1).
 
 Shape legend: N queries, W int32 words per code, R rows, L lists, P probes, S splits.
@@ -31,7 +31,7 @@ from ops.triton_util import HAVE_TRITON, interpreting
 
 __all__ = ["topk_ivf_triton", "TRITON_MAX_K", "ID_LIMIT"]
 
-TRITON_MAX_K = 1024    # K_PAD keys live in registers and are sorted 2 K_PAD at a time
+TRITON_MAX_K = 1024    # K_PAD keys in registers, sorted 2 K_PAD at a time; (K_PAD, K_PAD) <= 2^20 elements
 ID_LIMIT = 1 << 52     # ids are packed below the distance in one int64 key
 _EMPTY = (1 << 63) - 1  # key of an empty slot: sorts after every candidate
 _MIN_BLOCK_R = 128      # rows per tile (at least K_PAD, so that a tile can fill the keys)
@@ -66,11 +66,24 @@ if HAVE_TRITON:
         return tl.sum(tl.where(rank[:, None] == slot[None, :], x[:, None], 0), axis=0)  # (M,)
 
     @triton.jit
+    def _merge_sorted_by_rank(a, b, K: tl.constexpr):
+        """The K smallest of two sorted (K,) key vectors, sorted: a stable merge by rank.
+
+        a_i goes to i + #(b < a_i), b_j to j + #(a <= b_j) (a permutation of 0..2K-1); only
+        (K, K) matrices, within Triton's 2^20-element limit up to K = 1024.
+        """
+        pos = tl.arange(0, K)
+        rank_a = pos + tl.sum((b[None, :] < a[:, None]).to(tl.int32), axis=1)  # (K,)
+        rank_b = pos + tl.sum((a[None, :] <= b[:, None]).to(tl.int32), axis=1)  # (K,)
+        out = tl.sum(tl.where(rank_a[:, None] == pos[None, :], a[:, None], 0), axis=0)  # (K,)
+        return out + tl.sum(tl.where(rank_b[:, None] == pos[None, :], b[:, None], 0), axis=0)
+
+    @triton.jit
     def _merge_keys(best, key, K_PAD: tl.constexpr, BLOCK_R: tl.constexpr, RANK_MERGE: tl.constexpr):
         """The K_PAD smallest of best (K_PAD,) sorted and key (BLOCK_R,), sorted."""
         if RANK_MERGE:
             t = _smallest_by_rank(key, BLOCK_R, K_PAD)  # (K_PAD,)
-            return _smallest_by_rank(tl.reshape(tl.join(best, t), (2 * K_PAD,)), 2 * K_PAD, K_PAD)
+            return _merge_sorted_by_rank(best, t, K_PAD)
         t = tl.sort(key)  # (BLOCK_R,)
         if BLOCK_R > K_PAD:  # sorted, so row 0 of the (BLOCK_R / K_PAD, K_PAD) view is the minimum
             t = tl.min(tl.reshape(t, (BLOCK_R // K_PAD, K_PAD)), axis=0)  # (K_PAD,)

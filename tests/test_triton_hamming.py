@@ -95,11 +95,11 @@ def test_splits_and_merges(splits, merge):
     assert_same(topk_ivf_triton(*args, k, splits=splits, merge=merge), want)
 
 
-@pytest.mark.parametrize("k", [1, 100, 256])
+@pytest.mark.parametrize("k", [1, 100, 256, 1024])
 def test_k_range_and_many_tiles(k):
-    """Lists longer than a tile (128 rows at small k), k up to 256, ids near the 2^52 limit."""
-    args = make_ivf(5, 128, n=3, rows=700, nlist=2, nprobe=2, distinct=50)
-    args[2] = args[2] + (H.TRITON_ID_LIMIT - 10_000)
+    """Lists longer than a tile (128 rows at small k), k up to TRITON_MAX_K, ids near the 2^52 limit."""
+    args = make_ivf(5, 128, n=3, rows=1500, nlist=2, nprobe=2, distinct=50)
+    args[2] = args[2] + (H.TRITON_ID_LIMIT - 20_000)
     assert_same(H.hamming_topk_ivf(*args, k, backend="triton"), H.hamming_topk_ivf(*args, k, backend="torch"))
 
 
