@@ -8,17 +8,16 @@ a bit trick there instead of libdevice's ``popc`` (see docs/ops.md).
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
 
 __all__ = ["HAVE_TRITON", "interpreting", "triton_usable", "triton_unusable_reason"]
 
-try:
-    import triton  # noqa: F401
-    HAVE_TRITON = True
-except ImportError:  # the kernels are optional: every caller falls back to PyTorch
-    HAVE_TRITON = False
+# Found, not imported: importing triton takes about a second, and ops.hamming (imported by
+# every sampler) only needs to know. The kernels are optional: callers fall back to PyTorch.
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def interpreting() -> bool:

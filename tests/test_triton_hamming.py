@@ -131,3 +131,19 @@ def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         H.hamming_topk_ivf(*args, 5, backend="triton")
     assert "triton" not in H.available_backends(build=False) or torch.cuda.is_available()
+
+
+def test_auto_routing(monkeypatch):
+    """auto on CUDA tensors: the native op if it builds, else triton up to k = 1024, else torch."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(H, "triton_unusable_reason", lambda dev: None)
+    monkeypatch.setattr(H, "_cuda_op", lambda: None)
+    assert H._resolve("auto", cuda, 10) == "triton"
+    assert H._resolve("auto", cuda, TRITON_MAX_K + 1) == "torch"
+    monkeypatch.setattr(H, "_cuda_op", lambda: object())
+    assert H._resolve("auto", cuda, 10) == "cuda"
+    monkeypatch.setattr(H, "_cpu_op", lambda: None)
+    assert H._resolve("auto", torch.device("cpu"), 10) == "torch"  # never triton for CPU tensors
+    monkeypatch.setattr(H, "triton_unusable_reason", lambda dev: "no triton")
+    with pytest.raises(ValueError, match="no triton"):
+        H._resolve("triton", cuda, 10)
