@@ -35,6 +35,9 @@ TRITON_MAX_K = 1024    # K_PAD keys in registers, sorted 2 K_PAD at a time; (K_P
 ID_LIMIT = 1 << 52     # ids are packed below the distance in one int64 key
 _EMPTY = (1 << 63) - 1  # key of an empty slot: sorts after every candidate
 _MIN_BLOCK_R = 128      # rows per tile (at least K_PAD, so that a tile can fill the keys)
+# Triton decides interpreted or compiled when it decorates a kernel, i.e. at this import:
+# the popcount and merge defaults follow that, not a later change of TRITON_INTERPRET.
+_INTERPRETED = interpreting()
 
 if HAVE_TRITON:
     import triton
@@ -45,11 +48,13 @@ if HAVE_TRITON:
     def _popcount32(x, USE_POPC: tl.constexpr):
         """Set bits of each int32 element (arithmetic shifts are safe: the masks drop bit 31)."""
         if USE_POPC:
-            return libdevice.popc(x)
-        x = x - ((x >> 1) & 0x55555555)
-        x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
-        x = (x + (x >> 4)) & 0x0F0F0F0F
-        return ((x * 0x01010101) >> 24) & 0xFF  # the multiply wraps in int32, as on a GPU
+            out = libdevice.popc(x)
+        else:
+            x = x - ((x >> 1) & 0x55555555)
+            x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+            x = (x + (x >> 4)) & 0x0F0F0F0F
+            out = ((x * 0x01010101) >> 24) & 0xFF  # the multiply wraps in int32, as on a GPU
+        return out
 
     @triton.jit
     def _smallest_by_rank(x, N: tl.constexpr, M: tl.constexpr):
@@ -83,12 +88,14 @@ if HAVE_TRITON:
         """The K_PAD smallest of best (K_PAD,) sorted and key (BLOCK_R,), sorted."""
         if RANK_MERGE:
             t = _smallest_by_rank(key, BLOCK_R, K_PAD)  # (K_PAD,)
-            return _merge_sorted_by_rank(best, t, K_PAD)
-        t = tl.sort(key)  # (BLOCK_R,)
-        if BLOCK_R > K_PAD:  # sorted, so row 0 of the (BLOCK_R / K_PAD, K_PAD) view is the minimum
-            t = tl.min(tl.reshape(t, (BLOCK_R // K_PAD, K_PAD)), axis=0)  # (K_PAD,)
-        both = tl.sort(tl.reshape(tl.join(best, t), (2 * K_PAD,)))  # (2 K_PAD,)
-        return tl.min(tl.reshape(both, (2, K_PAD)), axis=0)  # (K_PAD,) the first half
+            out = _merge_sorted_by_rank(best, t, K_PAD)
+        else:
+            t = tl.sort(key)  # (BLOCK_R,)
+            if BLOCK_R > K_PAD:  # sorted, so row 0 of the (BLOCK_R / K_PAD, K_PAD) view is the minimum
+                t = tl.min(tl.reshape(t, (BLOCK_R // K_PAD, K_PAD)), axis=0)  # (K_PAD,)
+            both = tl.sort(tl.reshape(tl.join(best, t), (2 * K_PAD,)))  # (2 K_PAD,)
+            out = tl.min(tl.reshape(both, (2, K_PAD)), axis=0)  # (K_PAD,) the first half
+        return out
 
     @triton.jit
     def _ivf_scan_kernel(q_ptr, codes_ptr, ids_ptr, off_ptr, probes_ptr, out_ptr,
@@ -136,7 +143,7 @@ def _words(codes: torch.Tensor) -> torch.Tensor:
 
 def default_splits(num_queries: int, num_probes: int, device: torch.device) -> int:
     """Probe splits per query: enough programs to fill the GPU (4 per SM), 1 when interpreting."""
-    if interpreting() or device.type != "cuda":
+    if _INTERPRETED or device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, min(num_probes, math.ceil(4 * sms / max(num_queries, 1))))
@@ -158,7 +165,7 @@ def topk_ivf_triton(q_codes, list_codes, list_ids, list_offsets, probes, k: int,
         raise RuntimeError("backend='triton' needs triton (pip install triton)")
     if not 1 <= k <= TRITON_MAX_K:
         raise ValueError(f"backend='triton' supports 1 <= k <= {TRITON_MAX_K}, got k = {k}")
-    merge = merge or ("rank" if interpreting() else "sort")
+    merge = merge or ("rank" if _INTERPRETED else "sort")
     if merge not in ("sort", "rank"):
         raise ValueError(f"merge = {merge!r} must be 'sort' or 'rank'")
     n, nbytes = q_codes.shape
@@ -177,7 +184,7 @@ def topk_ivf_triton(q_codes, list_codes, list_ids, list_offsets, probes, k: int,
         _words(q_codes), _words(list_codes), list_ids.contiguous(), list_offsets.contiguous(),
         probes.contiguous(), keys, num_probes, list_offsets.shape[0] - 1, pps, s,
         W=words, BLOCK_W=triton.next_power_of_2(words), BLOCK_R=block_r, K_PAD=k_pad,
-        USE_POPC=not interpreting(), RANK_MERGE=merge == "rank", num_warps=8 if k_pad >= 512 else 4)
+        USE_POPC=not _INTERPRETED, RANK_MERGE=merge == "rank", num_warps=8 if k_pad >= 512 else 4)
     keys = keys.view(n, s * k_pad)
     if s > 1:
         keys = torch.sort(keys, dim=1).values
