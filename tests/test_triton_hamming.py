@@ -84,13 +84,13 @@ def test_public_api_matches_reference(name, bits):
     assert_same(H.hamming_topk_ivf(*args, k, backend="triton"), want)
 
 
-@pytest.mark.parametrize("splits,merge", [(2, "rank"), (3, "rank"), (1, "sort"), (2, "sort")])
-def test_splits_and_merges(splits, merge):
+@pytest.mark.parametrize("splits,merge,k", [(2, "rank", 40), (3, "rank", 40), (1, "sort", 8), (2, "sort", 8),
+                                            (1, "sort", 100)])
+def test_splits_and_merges(splits, merge, k):
     """Probe splits merged by torch, and the GPU's tl.sort merge (slow under the interpreter)."""
-    n, rows = (2, 120) if merge == "sort" else (6, 200)  # tl.sort: ~0.3 s a merge when interpreted
+    n, rows = ((1 if k > 8 else 2), 120) if merge == "sort" else (6, 200)  # tl.sort: ~0.3 s a merge here
     args = make_ivf(3, 64, n=n, rows=rows, distinct=3)
     args[4] = H._unique_probes(args[4])
-    k = 8 if merge == "sort" else 40
     want = topk_ivf_torch(*args, k)
     assert_same(topk_ivf_triton(*args, k, splits=splits, merge=merge), want)
 
