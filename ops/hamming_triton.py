@@ -16,8 +16,9 @@ max(K_PAD, 128)); a tile is merged only when its smallest key beats the current 
 (a constexpr picks how): "sort" (the GPU default) sorts the tile, keeps its K_PAD
 smallest, joins them with the running keys, sorts the 2 K_PAD and keeps the first half;
 "rank" (the interpreter default, where tl.sort is ~100x slower) ranks the tile's keys
-by counting over a comparison matrix and merges them with the running keys by rank. The splits' keys (N, S, K_PAD) are merged by one
-torch sort, decoded and padded with (code_bits + 1, -1).
+by counting over a comparison matrix and merges them with the running keys by rank.
+The splits' keys (N, S, K_PAD) are merged by one torch sort, decoded and padded with
+(code_bits + 1, -1).
 
 Shape legend: N queries, W int32 words per code, R rows, L lists, P probes, S splits.
 """
