@@ -146,9 +146,9 @@ class AnnSampler(_Section):
         False, description="Run the periodic rebuild in a background thread on a snapshot of the weights, "
         "keeping the old index (with re-encoded rows) until it is done; the swap time depends on the "
         "machine, so runs are no longer bitwise reproducible.")
-    backend: Literal["auto", "torch", "cpu", "cuda", "faiss"] = Field(
-        "auto", description="Hamming scan kernel (ops/hamming.py): auto picks cuda, then the C++ kernel, "
-        "then PyTorch.")
+    backend: Literal["auto", "torch", "cpu", "cuda", "triton", "faiss"] = Field(
+        "auto", description="Hamming scan kernel (ops/hamming.py): auto picks cuda, then triton (CUDA "
+        "tensors, k <= 1024), then the C++ kernel for CPU tensors, then PyTorch.")
     metrics_interval: int = Field(0, ge=0, description="Log recall@k against the exact top-k and the "
                                   "covered softmax mass every N steps (0 = off; costs an exact pass).")
 

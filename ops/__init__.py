@@ -4,9 +4,11 @@ The Hamming top-k scan (binary codes + inverted file) used by the ANN sampler:
 ``hamming_topk_ivf``, ``hamming_topk_flat``, ``pack_signs``, ``unpack_bits`` and
 ``available_backends``; see docs/ops.md.
 
-The fused class-parallel margin softmax in Triton (``ops.triton_softmax``, chosen by
-``ops.softmax_backend``) is imported lazily, never here: Triton reads TRITON_INTERPRET
-when its kernels are decorated.
+Triton kernels (optional) are imported on use, never here, since Triton reads
+TRITON_INTERPRET when its kernels are decorated: the fused class-parallel margin softmax
+(``ops.triton_softmax``, chosen by ``ops.softmax_backend``), the Hamming scan
+(``ops.hamming_triton``, ``backend="triton"``) and the compressors' threshold selection
+(``ops.triton_select.select_above``).
 """
 from ops.hamming import (available_backends, hamming_topk_flat, hamming_topk_ivf,
                          pack_signs, unpack_bits)

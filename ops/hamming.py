@@ -13,9 +13,12 @@ broken by the smaller id (this makes every backend agree exactly); padded with
 scanned once; -1 probes are skipped.
 
 Backends: "torch" (reference, any device), "cpu" (C++/OpenMP, JIT-built once),
-"cuda" (CUDA tensors, JIT-built once), "faiss" (IndexBinaryIVF/IndexBinaryFlat with
-our own lists, CPU tensors; its ties are re-resolved, see ops/hamming_faiss.py), and
-"auto": cuda for CUDA tensors, else cpu if it builds, else torch (logged once).
+"cuda" (CUDA tensors, JIT-built once), "triton" (ops/hamming_triton.py: CUDA tensors,
+or CPU tensors under TRITON_INTERPRET=1; k <= 1024, ids < 2^52), "faiss"
+(IndexBinaryIVF/IndexBinaryFlat with our own lists, CPU tensors; its ties are
+re-resolved, see ops/hamming_faiss.py), and "auto": for CUDA tensors cuda if it
+builds, else triton, else torch; for CPU tensors cpu if it builds, else torch (logged
+once).
 """
 from __future__ import annotations
 
@@ -26,14 +29,17 @@ import torch
 
 from ops import builders
 from ops.hamming_torch import topk_ivf_torch
+from ops.triton_util import triton_unusable_reason
 
 __all__ = ["hamming_topk_ivf", "hamming_topk_flat", "pack_signs", "unpack_bits",
-           "available_backends", "BACKENDS", "CUDA_MAX_K"]
+           "available_backends", "BACKENDS", "CUDA_MAX_K", "TRITON_MAX_K"]
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "torch", "cpu", "cuda", "faiss")
+BACKENDS = ("auto", "torch", "cpu", "cuda", "triton", "faiss")
 CUDA_MAX_K = 2048  # the CUDA kernel keeps the k results in shared memory
+TRITON_MAX_K = 1024  # = ops.hamming_triton.TRITON_MAX_K (keys in registers); not imported: triton is optional
+TRITON_ID_LIMIT = 1 << 52  # the Triton kernel packs ids below the distance in an int64 key
 _LOGGED: set = set()  # messages logged once per process
 
 
@@ -165,6 +171,9 @@ def available_backends(build: bool = True) -> list:
         out.append("cpu")
     if build and torch.cuda.is_available() and _cuda_op() is not None:
         out.append("cuda")
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if triton_unusable_reason(dev) is None:
+        out.append("triton")
     try:
         import faiss  # noqa: F401
         out.append("faiss")
@@ -183,9 +192,17 @@ def _resolve(backend: str, device: torch.device, k: int) -> str:
             raise ValueError(f"backend={backend!r} needs CPU tensors, got device {device}")
         if backend == "cuda" and k > CUDA_MAX_K:
             raise ValueError(f"backend='cuda' supports k <= {CUDA_MAX_K}, got k = {k}")
+        if backend == "triton":
+            why = triton_unusable_reason(device)
+            if why is not None:
+                raise ValueError(f"backend='triton' cannot run here: {why}")
+            if k > TRITON_MAX_K:
+                raise ValueError(f"backend='triton' supports k <= {TRITON_MAX_K}, got k = {k}")
         return backend
     if device.type == "cuda" and k <= CUDA_MAX_K and _cuda_op() is not None:
         choice = "cuda"
+    elif device.type == "cuda" and k <= TRITON_MAX_K and triton_unusable_reason(device) is None:
+        choice = "triton"
     elif device.type == "cpu" and _cpu_op() is not None:
         choice = "cpu"
     else:
@@ -207,6 +224,14 @@ def _run_native(name, q_codes, list_codes, list_ids, list_offsets, probes, k):
         return op.hamming_topk_ivf(*args, k, stream)
 
 
+def _run_triton(q_codes, list_codes, list_ids, list_offsets, probes, k, check):
+    """The Triton scan (imported here: triton is optional and its import is slow)."""
+    if check and list_ids.numel() and int(list_ids.max()) >= TRITON_ID_LIMIT:
+        raise ValueError(f"backend='triton' needs list_ids < 2^52, got max {int(list_ids.max())}")
+    from ops.hamming_triton import topk_ivf_triton
+    return topk_ivf_triton(q_codes, list_codes, list_ids, list_offsets, probes, k)
+
+
 def hamming_topk_ivf(q_codes, list_codes, list_ids, list_offsets, probes, k: int,
                      backend: str = "auto", check: bool = True):
     """Top-k of the probed inverted lists by (Hamming distance, id).
@@ -216,6 +241,7 @@ def hamming_topk_ivf(q_codes, list_codes, list_ids, list_offsets, probes, k: int
     scanned once), k >= 0. Returns dist (N, k) int32 and ids (N, k) int64 (see the module
     docstring). check=True also validates values (offsets, probe range, ids >= 0), which
     costs a pass over the ids and, on CUDA, host syncs; shapes and dtypes are always checked.
+    backend: one of BACKENDS (see the module docstring).
     """
     k = _check_ivf(q_codes, list_codes, list_ids, list_offsets, probes, k, check)
     name = _resolve(backend, q_codes.device, k)
@@ -227,6 +253,8 @@ def hamming_topk_ivf(q_codes, list_codes, list_ids, list_offsets, probes, k: int
     probes = _unique_probes(probes)
     if name == "torch":
         return topk_ivf_torch(q_codes, list_codes, list_ids, list_offsets, probes, k)
+    if name == "triton":
+        return _run_triton(q_codes, list_codes, list_ids, list_offsets, probes, k, check)
     if name == "faiss":
         from ops.hamming_faiss import FaissBinaryIVF
         return FaissBinaryIVF(list_codes, list_ids, list_offsets).search(q_codes, probes, k)

@@ -25,7 +25,7 @@ Legend: n elements of one tensor (flat view), B histogram bins, m sampled indice
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -157,10 +157,13 @@ def bernoulli_positions(n: int, rate: float, gen: Optional[torch.Generator], dev
 
 
 def sample_indices(v: torch.Tensor, tau: float, rate: float, explore: Optional[torch.Tensor],
-                   log2_hi: float, gen: Optional[torch.Generator], power: float = 1.0) -> torch.Tensor:
+                   log2_hi: float, gen: Optional[torch.Generator], power: float = 1.0,
+                   select: Optional[Callable] = None) -> torch.Tensor:
     """Sorted unique indices of v kept by exploitation, p = min(1, (|v|/tau)^power), or exploration.
 
     ``rate`` is the thinning rate r; ``explore`` is the exploration table (None: none).
+    ``select(a, theta) -> (idx, a[idx])`` is the threshold pass a >= theta (ascending idx);
+    None: torch.nonzero (the compressors pass ops.triton_select.select_above on CUDA).
     """
     n = v.numel()
     a = v.abs()  # (n,)
@@ -169,9 +172,13 @@ def sample_indices(v: torch.Tensor, tau: float, rate: float, explore: Optional[t
         parts.append(torch.nonzero(a).squeeze(1))
     elif tau < math.inf:
         theta = tau * rate ** (1.0 / power)  # p_i >= r  <=>  |v_i| >= theta
-        own = torch.nonzero(a >= theta).squeeze(1)  # (n1,) elements with their own coin
+        if select is None:
+            own = torch.nonzero(a >= theta).squeeze(1)  # (n1,) elements with their own coin
+            a_own = a[own]
+        else:
+            own, a_own = select(a, theta)
         u = torch.rand(own.numel(), generator=gen, device=v.device)
-        parts.append(own[u < _prob(a[own], tau, power)])
+        parts.append(own[u < _prob(a_own, tau, power)])
         cand = bernoulli_positions(n, rate, gen, v.device)  # (n2,) ~ Bernoulli(r) each
         a_cand = a[cand]
         u = torch.rand(cand.numel(), generator=gen, device=v.device)

@@ -13,6 +13,7 @@ Registry: :data:`COMPRESSORS` maps the config's ``method`` to a class.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import ClassVar, Optional
 
@@ -56,6 +57,13 @@ def allocate_densities(numel: list, weight: list, density: float) -> list:
             budget -= numel[i]
         open_ = [i for i in open_ if i not in full]
     return out
+
+
+def _threshold_pass(backend: str):
+    """The |a| >= theta pass of bayes.sample_indices: ops.triton_select.select_above (Triton
+    kernel on CUDA when usable, else torch; identical results). Imported here: triton is optional."""
+    from ops.triton_select import select_above
+    return functools.partial(select_above, backend=backend)
 
 
 class Compressor:
@@ -125,6 +133,7 @@ class BayesPrior(Compressor):
 
     name = "bayes_prior"
     uses_stats = True
+    select_backend: ClassVar[str] = "auto"  # ops.triton_select backend of the threshold pass (CUDA tensors)
     _GAIN, _STEP_LIMIT, _SCALE_LIMIT = 0.5, 1.25, 64.0
 
     def local_max(self, v: torch.Tensor) -> float:
@@ -157,8 +166,9 @@ class BayesPrior(Compressor):
         if "tau" not in tstate:
             raise RuntimeError("bayes_prior: select() before the first statistics sync")
         explore = tstate["explore"] if self.config.prior.strength > 0.0 else None
+        select = _threshold_pass(self.select_backend) if v.is_cuda else None  # CPU: torch, unchanged
         return bayes.sample_indices(v, tstate["tau"] * tstate["tau_scale"], tstate["rate"], explore,
-                                    tstate["log2_hi"], gen, self.config.exploit_power)
+                                    tstate["log2_hi"], gen, self.config.exploit_power, select=select)
 
     def after_select(self, tstate: dict, num_sent: int, numel: int) -> None:
         """Nudge tau towards the target count: too many sent -> raise tau, too few -> lower it."""
