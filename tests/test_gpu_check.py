@@ -1,0 +1,36 @@
+"""benchmarks/gpu_check.py --dry-run: the device check's steps run without a GPU, every check
+says PASS or SKIP with its reason, and the results file holds the check table and the timing
+table (the GPU run itself needs a lent device: benchmarks/README.md, "GPU check")."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHECKS = ("env", "build_cuda_hamming", "build_triton", "parity_tests", "head_step", "timing")
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run(tmp_path):
+    pytest.importorskip("triton")
+    out = tmp_path / "gpu_check.md"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = {m.group(1): (m.group(2), m.group(3))
+             for m in re.finditer(r"^CHECK (\w+): (PASS|FAIL|SKIP) \((.*)\) \[", proc.stdout, re.M)}
+    assert set(lines) == set(CHECKS), proc.stdout[-3000:]
+    assert lines["build_cuda_hamming"][0] == "SKIP" and "no CUDA" in lines["build_cuda_hamming"][1]
+    assert lines["parity_tests"][0] == "SKIP"
+    for name in ("env", "build_triton", "head_step", "timing"):
+        assert lines[name][0] == "PASS", (name, lines[name])
+    # the head step was compared with the float64 reference: errors are printed and small
+    errors = [float(e) for e in re.findall(r"worst ([0-9.e+-]+)", lines["head_step"][1])]
+    assert len(errors) == 4 and max(errors) < 3e-2
+    text = out.read_text()
+    assert "| head_step | PASS |" in text and "| build_cuda_hamming | SKIP |" in text
+    assert re.search(r"\| 20,000 \| 32 \| ann@0\.1 \| [0-9.]+ \| [0-9.]+x \| [0-9.]+ \|", text), text
