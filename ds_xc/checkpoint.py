@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 __all__ = ["save_head_state", "load_head_state", "check_head_checkpoint", "shard_file", "atomic_save",
            "read_meta", "write_meta", "load_file", "load_shard", "ShardRows", "CheckpointError",
            "load_exported_head", "load_exported_into_head", "read_export_index", "file_sha256",
-           "resolve_tag", "read_head_state", "apply_head_state", "exported_head_shape", "EXPORT_FORMAT", "EXPORT_INDEX", "fsync_tree", "publish_tag", "write_latest"]
+           "resolve_tag", "refuse_under_launcher", "read_head_state", "apply_head_state", "exported_head_shape", "EXPORT_FORMAT", "EXPORT_INDEX", "fsync_tree", "publish_tag", "write_latest"]
 
 HEAD_DIR = "ds_xc_head"
 META_FILE = "meta.json"
@@ -156,6 +156,17 @@ def save_head_state(tag_dir: str, head, optimizer=None) -> str:
         write_meta(tag_dir, head.num_classes, head.world_size, head.embedding_dim)
     log.info("saved head shard %s", path)
     return path
+
+
+def refuse_under_launcher(tool: str) -> None:
+    """Stop a single-process file tool (launch/export.py, launch/reshard.py) started on several ranks.
+
+    They run no process group and no collectives; under ``deepspeed``/``torchrun`` every rank
+    would write the same output files at once."""
+    world = os.environ.get("WORLD_SIZE", "")
+    if world.isdigit() and int(world) > 1:
+        raise SystemExit(f"{tool}: WORLD_SIZE={world}: this is a single-process tool (it reads and writes files, "
+                         f"no process group); run it once with `python launch/{tool}.py ...`, not under a launcher")
 
 
 # ---------------------------------------------------------------------- reading, validated

@@ -240,3 +240,21 @@ def test_compression_state_load_agrees(pools, tmp_path):
         kind, msg = r["stale"]
         assert kind == "DisagreementError"
         assert "rank 0: ('own', 1), rank 1: ('own', 2)" in msg
+
+
+# ---------------------------------------------------------------------- single-process tools
+@pytest.mark.parametrize("tool", ["export", "reshard"])
+def test_file_tools_refuse_to_run_on_several_ranks(monkeypatch, tmp_path, tool):
+    """launch/export.py and launch/reshard.py run no collectives; under a launcher every rank would
+    write the same files, so they stop before reading anything."""
+    import importlib
+    module = importlib.import_module(f"launch.{tool}")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = ["--load_dir", str(tmp_path / "none"), "--out" if tool == "export" else "--out_dir", str(tmp_path / "o")]
+    argv += ["--world_size", "3"] if tool == "reshard" else []
+    with pytest.raises(SystemExit, match=f"{tool}: WORLD_SIZE=2: this is a single-process tool"):
+        module.main(argv)
+    assert not (tmp_path / "o").exists()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(SystemExit, match="does not exist"):  # one process: it runs (and finds no checkpoint)
+        module.main(argv)
