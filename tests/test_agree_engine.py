@@ -4,7 +4,8 @@
   ``extreme_classification.num_classes``, the value, the world size and what is allowed, on
   every rank, before ``deepspeed.initialize`` runs; a config that differs on one rank is a
   DisagreementError naming the key and each rank's value, also before DeepSpeed starts.
-* save_checkpoint with another tag on one rank: an error on every rank, nothing written.
+* save_checkpoint with another tag on one rank: an error on every rank, nothing written; a
+  rank that cannot write its files: every rank raises, nothing published, ``latest`` unchanged.
   load_checkpoint with a corrupt compression file, a missing head shard or a cut DeepSpeed
   file on one rank: an error on every rank naming the file, and head, head optimizer,
   backbone, backbone optimizer and residuals bitwise unchanged; afterwards the same
@@ -115,6 +116,18 @@ def _ckpt_cases(rank, world, folder):
     out = {"tag": _catch(lambda: xc.save_checkpoint(folder, tag="step2" if rank == 0 else "step3"))}
     out["nothing_written"] = not os.path.exists(folder) or os.listdir(folder) == []
     xc.save_checkpoint(folder, tag="step2", client_state={"step": 2})
+    import ds_xc.engine as engine_module
+    real = engine_module.save_head_state
+
+    def disk_full(*args, **kwargs):
+        raise OSError("No space left on device (injected on rank 1)")
+    if rank == 1:
+        engine_module.save_head_state = disk_full
+    out["write"] = _catch(lambda: xc.save_checkpoint(folder, tag="step2b"))
+    engine_module.save_head_state = real
+    with open(os.path.join(folder, "latest")) as fh:
+        out["latest"] = fh.read()
+    out["published"] = sorted(n for n in os.listdir(folder) if not n.startswith("."))
     expect = _train(xc, rank, 2, 4)
     _train(xc, rank, 4, 5)  # move away from the checkpoint
     before = _everything(xc)
@@ -152,6 +165,10 @@ def test_checkpoint_disagreement_and_damage_raise_everywhere_and_change_nothing(
         kind, msg = r["tag"]
         assert kind == "DisagreementError" and "save_checkpoint(save_dir, tag)" in msg
         assert "'step2')" in msg and "'step3')" in msg and r["nothing_written"]
+        kind, msg = r["write"]
+        assert kind == "OSError" and "No space left on device (injected on rank 1)" in msg
+        assert ("writing the head shards, residuals and RNG states" in msg) == (rank == 0)
+        assert r["latest"] == "step2" and r["published"] == ["latest", "step2"]
         kind, msg = r["compression"]
         assert kind == "CheckpointError" and f"cannot read compression state file {paths['compression']!r}" in msg
         kind, msg = r["head"]
