@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ds_xc.checkpoint import CheckpointError, load_exported_into_head
 from ds_xc.evaluate import evaluate_topk
 from ds_xc.head import ClassParallelHead
-from ds_xc.parallel.agree import DisagreementError, agree, all_or_none
+from ds_xc.parallel.agree import agree, all_or_none
 
 C, D = 23, 6
 

@@ -50,15 +50,17 @@ def _build(rank, cfg):
     return xc
 
 
-def _train(xc, rank, start, stop, faults=None, bf16=False):
+def _train(xc, rank, start, stop, faults=None, bf16=False, gas=1):
+    """Optimizer steps [start, stop) of ``gas`` micro-steps; faults {(step, micro, rank): fault}."""
     losses = []
     for step in range(start, stop):
-        fault = (faults or {}).get((step, rank))
-        xc.engine.module.fault = fault
-        x, y = _batch(step if fault is None else 10**5 + step, rank)
-        losses.append(xc.forward_backward(x.to(torch.bfloat16) if bf16 else x, y).item())
-        xc.step()
-        xc.engine.module.fault = None
+        for m in range(gas):
+            fault = (faults or {}).get((step, m, rank))
+            xc.engine.module.fault = fault
+            x, y = _batch(step * gas + m if fault is None else 10**5 + step, rank)
+            losses.append(xc.forward_backward(x.to(torch.bfloat16) if bf16 else x, y).item())
+            xc.step()
+            xc.engine.module.fault = None
     return losses
 
 
@@ -183,31 +185,34 @@ def test_checkpoint_disagreement_and_damage_raise_everywhere_and_change_nothing(
 
 
 # ---------------------------------------------------------------------- NaN gradients under ZeRO 1/2 and bf16
-def _nonfinite(rank, world, stage, bf16, extra):
-    cfg = _cfg(stage, bf16)
+def _nonfinite(rank, world, stage, bf16, extra, gas, micro):
+    cfg = _cfg(stage, bf16, gas=gas)
     cfg.update(extra)
     xc = _build(rank, cfg)
-    clean = _train(xc, rank, 0, 2, bf16=bf16)
+    clean = _train(xc, rank, 0, 2, bf16=bf16, gas=gas)
     before = _state(xc)
-    bad = _train(xc, rank, 2, 3, {(2, 1): "nan_grad"}, bf16)
-    _same_state = _state(xc)
-    _assert_same(before, _same_state)
-    rest = _train(xc, rank, 2, 4, bf16=bf16)
+    bad = _train(xc, rank, 2, 3, {(2, micro, 1): "nan_grad"}, bf16, gas)
+    _assert_same(before, _state(xc))
+    rest = _train(xc, rank, 2, 4, bf16=bf16, gas=gas)
     ref = _build(rank, cfg)
     return {"optimizer": type(xc.engine.optimizer).__name__, "bad": bad, "skipped": xc.stats()["skipped_steps"],
-            "ds_skipped": xc.engine.skipped_steps, "losses": clean + rest, "ref": _train(ref, rank, 0, 4, bf16=bf16)}
+            "ds_skipped": xc.engine.skipped_steps, "losses": clean + rest,
+            "ref": _train(ref, rank, 0, 4, bf16=bf16, gas=gas)}
 
 
-@pytest.mark.parametrize("stage,bf16,extra,optimizer", [
-    (1, False, {}, "DeepSpeedZeroOptimizer"),
-    (2, False, {}, "DeepSpeedZeroOptimizer"),
-    (0, True, {}, "FP16_UnfusedOptimizer"),
-    (2, True, {}, "DeepSpeedZeroOptimizer"),
-    (1, True, {"data_types": {"grad_accum_dtype": "fp32"}}, "BF16_Optimizer"),
+@pytest.mark.parametrize("stage,bf16,extra,gas,micro,optimizer", [
+    (1, False, {}, 1, 0, "DeepSpeedZeroOptimizer"),
+    (2, False, {}, 1, 0, "DeepSpeedZeroOptimizer"),
+    (1, False, {}, 2, 0, "DeepSpeedZeroOptimizer"),  # NaN in the first micro-step of the window
+    (2, False, {}, 2, 0, "DeepSpeedZeroOptimizer"),  # ZeRO 2 reduces it into the partitions at once
+    (0, True, {}, 1, 0, "FP16_UnfusedOptimizer"),
+    (2, True, {}, 2, 1, "DeepSpeedZeroOptimizer"),
+    (1, True, {"data_types": {"grad_accum_dtype": "fp32"}}, 1, 0, "BF16_Optimizer"),
 ])
-def test_nonfinite_backbone_gradients_are_skipped_under_zero_and_bf16(pools, stage, bf16, extra, optimizer):
-    for rank, r in enumerate(pools(2).run(_nonfinite, stage, bf16, extra)):
+def test_nonfinite_backbone_gradients_are_skipped_under_zero_and_bf16(pools, stage, bf16, extra, gas, micro,
+                                                                      optimizer):
+    for rank, r in enumerate(pools(2).run(_nonfinite, stage, bf16, extra, gas, micro)):
         assert r["optimizer"] == optimizer
-        assert r["bad"][0] == r["bad"][0]  # a finite loss: only the gradients were NaN
+        assert all(v == v for v in r["bad"])  # finite losses: only the gradients were NaN
         assert r["skipped"] == 1 and r["ds_skipped"] == 1  # counted once
         assert r["losses"] == r["ref"], (rank, r["losses"], r["ref"])  # as if the bad batch never came
