@@ -258,3 +258,13 @@ def test_file_tools_refuse_to_run_on_several_ranks(monkeypatch, tmp_path, tool):
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(SystemExit, match="does not exist"):  # one process: it runs (and finds no checkpoint)
         module.main(argv)
+
+
+def test_fingerprint_ignores_dict_order_and_addresses_but_not_values():
+    from ds_xc.parallel.agree import fingerprint
+    assert fingerprint({"a": 1, "b": [1, 2]}) == fingerprint({"b": [1, 2], "a": 1})
+    assert fingerprint({"f": object()}) == fingerprint({"f": object()})  # no address in the fingerprint
+    assert fingerprint(("step3", 4)) != fingerprint(("step3", 5)) != fingerprint(["step3", 4])
+    assert fingerprint(torch.zeros(2, 3)) == fingerprint(torch.ones(2, 3))  # tensors: shape and dtype only
+    assert fingerprint(torch.zeros(2, 3)) != fingerprint(torch.zeros(3, 2))
+    assert agree({"x": 1}, "a value", None) == {"x": 1}  # one process: returns at once

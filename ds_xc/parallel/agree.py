@@ -63,6 +63,8 @@ def _canonical(value: Any) -> Any:
         return ("set", sorted(repr(_canonical(v)) for v in value))
     if isinstance(value, torch.Tensor):
         return ("tensor", tuple(value.shape), str(value.dtype))
+    if " at 0x" in repr(value):  # a default object repr holds an address, different in every process
+        return ("object", type(value).__module__, type(value).__qualname__)
     return value
 
 
