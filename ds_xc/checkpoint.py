@@ -34,13 +34,14 @@ from typing import Optional
 import torch
 
 from ds_xc.head.partition import shard_range, shard_sizes
+from ds_xc.parallel.agree import all_or_none
 
 log = logging.getLogger(__name__)
 
 __all__ = ["save_head_state", "load_head_state", "check_head_checkpoint", "shard_file", "atomic_save",
            "read_meta", "write_meta", "load_file", "load_shard", "ShardRows", "CheckpointError",
            "load_exported_head", "load_exported_into_head", "read_export_index", "file_sha256",
-           "resolve_tag", "EXPORT_FORMAT", "EXPORT_INDEX", "fsync_tree", "publish_tag", "write_latest"]
+           "resolve_tag", "refuse_under_launcher", "read_head_state", "apply_head_state", "exported_head_shape", "EXPORT_FORMAT", "EXPORT_INDEX", "fsync_tree", "publish_tag", "write_latest"]
 
 HEAD_DIR = "ds_xc_head"
 META_FILE = "meta.json"
@@ -155,6 +156,17 @@ def save_head_state(tag_dir: str, head, optimizer=None) -> str:
         write_meta(tag_dir, head.num_classes, head.world_size, head.embedding_dim)
     log.info("saved head shard %s", path)
     return path
+
+
+def refuse_under_launcher(tool: str) -> None:
+    """Stop a single-process file tool (launch/export.py, launch/reshard.py) started on several ranks.
+
+    They run no process group and no collectives; under ``deepspeed``/``torchrun`` every rank
+    would write the same output files at once."""
+    world = os.environ.get("WORLD_SIZE", "")
+    if world.isdigit() and int(world) > 1:
+        raise SystemExit(f"{tool}: WORLD_SIZE={world}: this is a single-process tool (it reads and writes files, "
+                         f"no process group); run it once with `python launch/{tool}.py ...`, not under a launcher")
 
 
 # ---------------------------------------------------------------------- reading, validated
@@ -304,23 +316,34 @@ def check_head_checkpoint(tag_dir: str, head) -> dict:
     return meta
 
 
-def load_head_state(tag_dir: str, head, optimizer=None) -> None:
-    """Load this rank's shard from ``tag_dir``; a world-size or class mismatch is an error.
+def read_head_state(tag_dir: str, head) -> dict:
+    """This rank's shard of ``tag_dir``, read and checked against ``head``; nothing is changed.
 
     The file is read to the CPU, whatever device the head is on: a sampler's generator
-    state is a CPU tensor and must stay one (a CPU generator refuses a CUDA tensor). Each
-    restored tensor then moves to where it lives: the weight is copied into the head's
-    parameter (its device and dtype), the sampler moves its index or graph to the head's
-    device, and ``optimizer.load_state_dict`` casts the optimizer state to the weight's
-    device (and floating state to its dtype; ``step`` stays on the CPU).
+    state is a CPU tensor and must stay one (a CPU generator refuses a CUDA tensor).
+    :func:`apply_head_state` then moves each restored tensor to where it lives.
     """
     meta = check_head_checkpoint(tag_dir, head)
-    state = load_shard(tag_dir, head.rank, meta, map_location="cpu")
-    path = shard_file(tag_dir, head.rank, head.world_size)
+    return load_shard(tag_dir, head.rank, meta, map_location="cpu")
+
+
+def apply_head_state(head, optimizer, state: dict) -> None:
+    """Load a shard that :func:`read_head_state` returned into ``head`` (and its optimizer).
+
+    The weight is copied into the head's parameter (its device and dtype), the sampler moves
+    its index or graph to the head's device, and ``optimizer.load_state_dict`` casts the
+    optimizer state to the weight's device (and floating state to its dtype; ``step`` stays
+    on the CPU).
+    """
     head.load_state_dict(state["head"])
     if optimizer is not None and state.get("optimizer") is not None:
         optimizer.load_state_dict(state["optimizer"])
-    log.info("loaded head shard %s", path)
+    log.info("loaded head shard of rank %d", head.rank)
+
+
+def load_head_state(tag_dir: str, head, optimizer=None) -> None:
+    """Load this rank's shard from ``tag_dir``; a world-size or class mismatch is an error."""
+    apply_head_state(head, optimizer, read_head_state(tag_dir, head))
 
 
 class ShardRows:
@@ -474,17 +497,50 @@ def load_exported_head(path: str, start: int = 0, count: Optional[int] = None, v
     return torch.cat(parts)
 
 
+def exported_head_shape(path: str) -> tuple[int, int]:
+    """(num_classes, embedding_dim) of an exported head (its index, or the one file's header)."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"exported head {path!r} does not exist")
+    if os.path.isfile(path) and not path.endswith(".json"):
+        if path.endswith(".safetensors"):
+            try:
+                from safetensors import safe_open
+                with safe_open(path, framework="pt") as fh:
+                    shape = tuple(fh.get_slice("weight").get_shape())
+            except Exception as exc:
+                raise CheckpointError(f"cannot read exported head file {path!r}: {type(exc).__name__}: {exc}") \
+                    from None
+        else:
+            state = load_file(path, "exported head file", mmap=True)
+            weight = state.get("weight") if isinstance(state, dict) else None
+            if not isinstance(weight, torch.Tensor):
+                raise CheckpointError(f"exported head file {path!r} is not a {EXPORT_FORMAT} file (no 'weight')")
+            shape = tuple(weight.shape)
+        if len(shape) != 2:
+            raise CheckpointError(f"exported head file {path!r} holds a weight of shape {shape}; expected (C, d)")
+        return int(shape[0]), int(shape[1])
+    index = read_export_index(path)
+    return int(index["num_classes"]), int(index.get("embedding_dim", -1))
+
+
 @torch.no_grad()
 def load_exported_into_head(head, path: str, verify: bool = True) -> None:
     """Fill ``head`` (a ClassParallelHead of any world size) with its rows of an exported head.
 
-    Only this rank's class range is read. The sampler's index (if any) no longer describes
-    the weights, so it is invalidated and rebuilt at the next forward.
+    Only this rank's class range is read. Collective over ``head.group``: every rank reads and
+    checks its rows first (the export's class count and width must be the head's), the ranks
+    agree that all succeeded, and only then does any rank copy its rows in; a file missing or
+    damaged on one rank leaves every rank's head unchanged and raises on every rank. The
+    sampler's index (if any) no longer describes the weights, so it is invalidated and
+    rebuilt at the next forward.
     """
-    rows = load_exported_head(path, head.class_start, head.num_local, verify=verify)
-    if tuple(rows.shape) != (head.num_local, head.embedding_dim):
-        raise CheckpointError(f"exported head {path!r} has rows of dim {rows.shape[1]}; this head has "
-                              f"embedding_dim {head.embedding_dim}")
+    with all_or_none(f"reading the exported head {path!r}", head.group):
+        shape = exported_head_shape(path)
+        if shape != (head.num_classes, head.embedding_dim):
+            raise CheckpointError(f"exported head {path!r} holds {shape[0]} classes x {shape[1]}; this head has "
+                                  f"num_classes={head.num_classes}, embedding_dim={head.embedding_dim} (they must "
+                                  "be equal; nothing was loaded)")
+        rows = load_exported_head(path, head.class_start, head.num_local, verify=verify)
     head.weight.copy_(rows.to(device=head.weight.device, dtype=head.weight.dtype))
     if hasattr(head.sampler, "invalidate"):
         head.sampler.invalidate()

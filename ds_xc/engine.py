@@ -15,6 +15,7 @@ scaling (fp16) would scale the head's gradient too, and is refused at start.
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import os
 import random
@@ -28,9 +29,11 @@ import torch
 import torch.distributed as dist
 
 from ds_xc import config as cfg
-from ds_xc.checkpoint import (atomic_save, check_head_checkpoint, fsync_tree, load_file, load_head_state,
-                              publish_tag, resolve_tag, save_head_state)
+from ds_xc.checkpoint import (CheckpointError, apply_head_state, atomic_save, fsync_tree, load_file, publish_tag,
+                              read_head_state, resolve_tag, save_head_state)
 from ds_xc.head import ClassParallelHead, build_head_optimizer
+from ds_xc.parallel.agree import agree, all_or_none
+from ds_xc.parallel.groups import group_size
 
 log = logging.getLogger(__name__)
 
@@ -200,15 +203,26 @@ class XCEngine:
 
     # ------------------------------------------------------------------ non-finite steps
     def _grads_finite(self) -> bool:
-        """This rank's head gradient and local backbone gradients (where ``.grad`` holds them) are finite."""
-        grads = [self.head.weight.grad] + [p.grad for p in self.engine.module.parameters()]
-        for g in grads:
-            if g is None:
-                continue
-            values = g._values() if g.is_sparse else g
-            if not bool(torch.isfinite(values).all()):
+        """This rank's head gradient and the backbone gradients the engine's optimizer will use are finite.
+
+        Where those live depends on the mode: ``.grad`` under ZeRO 0 (fp32, and bf16 through
+        DeepSpeed's fp16-style wrapper); DeepSpeed's partitioned flat buffers under ZeRO 1/2
+        (checked with the optimizer's own public overflow test, this rank's partition); the
+        bf16 optimizer's fp32 gradients (``get_grads_for_norm``) with bf16 + ZeRO 1 and fp32
+        accumulation."""
+        head_grad = self.head.weight.grad
+        if head_grad is not None and not _finite(head_grad._values() if head_grad.is_sparse else head_grad):
+            return False
+        opt = self.engine.optimizer
+        if self.engine.zero_optimization_stage() in (1, 2) and hasattr(opt, "has_overflow_partitioned_grads_serial"):
+            if getattr(opt, "cpu_offload", False):
+                return not bool(getattr(opt, "local_overflow", False))
+            return not bool(opt.has_overflow_partitioned_grads_serial())
+        if hasattr(opt, "get_grads_for_norm") and hasattr(opt, "fp32_groups_gradients_flat"):
+            grads, expert = opt.get_grads_for_norm()
+            if not all(_finite(g) for g in list(grads) + [g for gs in expert.values() for g in gs]):
                 return False
-        return True
+        return all(p.grad is None or _finite(p.grad) for p in self.engine.module.parameters())
 
     def _step_is_bad(self) -> bool:
         """Every rank's verdict on this accumulation window (non-finite loss or gradients), all-reduced."""
@@ -243,9 +257,11 @@ class XCEngine:
         self.head_optimizer.zero_grad(set_to_none=True)
         log.warning("step %d skipped: NaN/Inf loss or gradients on some rank (%s.nonfinite='skip'; %d skipped "
                     "so far)", self.global_steps, cfg.HEAD_SECTION, self.skipped_steps + 1)
+        counted = self.engine.skipped_steps
         with _without_update(self.engine):
             self.engine.step()
-        self.engine.skipped_steps += 1
+        if self.engine.skipped_steps == counted:  # DeepSpeed's optimizer did not see an overflow itself
+            self.engine.skipped_steps += 1
         self.skipped_steps += 1
         if self.schedule is not None:
             from ds_xc.overlap.run import end_micro_step
@@ -274,72 +290,107 @@ class XCEngine:
         Staged, so that a process killed at any point leaves the previous checkpoint and
         ``latest`` as they were: every file goes into ``save_dir/.staging_<tag>`` (head shards,
         compression residuals, RNG states, then DeepSpeed's files, with DeepSpeed told not to
-        touch ``latest``); after a barrier rank 0 fsyncs the files, renames the folder to
-        ``save_dir/<tag>`` and then replaces ``latest`` atomically (write, fsync, rename).
+        touch ``latest``); then rank 0 fsyncs the files, renames the folder to
+        ``save_dir/<tag>`` and replaces ``latest`` atomically (write, fsync, rename).
+
+        Collective: the ranks first agree on the folder and the tag (a different one on one
+        rank is an error on every rank, before anything is written), and on the outcome of
+        each of their own steps (a rank that cannot write its files makes every rank raise;
+        nothing is published and ``latest`` keeps naming the previous checkpoint).
         """
-        tag = str(tag or f"global_step{self.global_steps}")
-        if not tag or os.sep in tag or tag.startswith(".") or tag == "latest":
-            raise ValueError(f"checkpoint tag {tag!r}: must be a plain folder name (no '/', not starting "
-                             "with '.', not 'latest')")
-        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        group = self.flag_group
+        with all_or_none("save_checkpoint (checking the tag)", group):
+            tag = str(tag or f"global_step{self.global_steps}")
+            if not tag or os.sep in tag or tag.startswith(".") or tag == "latest":
+                raise ValueError(f"checkpoint tag {tag!r}: must be a plain folder name (no '/', not starting "
+                                 "with '.', not 'latest')")
+        agree((os.path.abspath(save_dir), tag), "save_checkpoint(save_dir, tag)", group)
+        rank0 = _world()[0] == 0
         staging = os.path.join(save_dir, STAGING_PREFIX + tag)
-        if rank0:
-            os.makedirs(save_dir, exist_ok=True)
-            for name in os.listdir(save_dir):  # left by saves that were killed (one job per save_dir)
-                if name.startswith(STAGING_PREFIX):
-                    shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
-        _barrier()
-        save_head_state(staging, self.head, self.head_optimizer)
-        if self.compression is not None:  # per-rank residuals: DeepSpeed saves rank 0's optimizer only
-            from ds_xc.compression import save_compression_state
-            save_compression_state(staging, self.compression)
-        atomic_save(_rng_state(), _rng_file(staging))
-        _barrier()
+        with all_or_none(f"save_checkpoint: preparing {save_dir!r}", group):
+            if rank0:
+                os.makedirs(save_dir, exist_ok=True)
+                for name in os.listdir(save_dir):  # left by saves that were killed (one job per save_dir)
+                    if name.startswith(STAGING_PREFIX):
+                        shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+        with all_or_none(f"save_checkpoint: writing the head shards, residuals and RNG states into {staging!r}",
+                         group):
+            save_head_state(staging, self.head, self.head_optimizer)
+            if self.compression is not None:  # per-rank residuals: DeepSpeed saves rank 0's optimizer only
+                from ds_xc.compression import save_compression_state
+                save_compression_state(staging, self.compression)
+            atomic_save(_rng_state(), _rng_file(staging))
         state = dict(client_state or {})
         state["ds_xc"] = {"num_classes": self.head.num_classes, "world_size": self.head.world_size,
                           "skipped_steps": self.skipped_steps}
         self.engine.save_checkpoint(save_dir, tag=STAGING_PREFIX + tag, client_state=state, save_latest=False)
-        if rank0:
-            fsync_tree(staging)
-            publish_tag(save_dir, tag, staging)
-        _barrier()
+        with all_or_none(f"save_checkpoint: publishing {os.path.join(save_dir, tag)!r} (rank 0)", group):
+            if rank0:
+                fsync_tree(staging)
+                publish_tag(save_dir, tag, staging)
         log.info("checkpoint %s saved", os.path.join(save_dir, tag))
         return tag
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None) -> Optional[dict]:
         """Load engine + head (+ residuals, RNG states); returns the client state, or None when
         there is no checkpoint. A head of another class count or world size is refused before
-        anything is loaded, with the command that reshards it."""
+        anything is loaded, with the command that reshards it.
+
+        Collective: the ranks agree on the folder and the tag (read from ``latest`` on each
+        rank), then every rank reads and checks all of its files (head shard, residuals, RNG
+        state, DeepSpeed's files present and readable) and the ranks agree that all succeeded;
+        a file missing or damaged on one rank raises on every rank and nothing is loaded."""
+        group = self.flag_group
+        with all_or_none(f"load_checkpoint: reading {os.path.join(load_dir, 'latest')!r}", group):
+            if tag is None:
+                latest = os.path.join(load_dir, "latest")
+                if os.path.isfile(latest):
+                    with open(latest) as fh:
+                        tag = fh.read().strip()
+        agree((os.path.abspath(load_dir), None if tag is None else str(tag)), "load_checkpoint(load_dir, tag "
+              "or the tag in latest)", group)
         if tag is None:
-            latest = os.path.join(load_dir, "latest")
-            if not os.path.isfile(latest):
-                return None
-            with open(latest) as fh:
-                tag = fh.read().strip()
+            return None
         tag_dir = os.path.join(load_dir, str(tag))
-        if _world()[0] == 0 and not os.path.isdir(tag_dir):
-            with contextlib.suppress(FileNotFoundError):
-                resolve_tag(load_dir, str(tag))  # puts back a tag whose re-save was killed between renames
-        _barrier()
-        check_head_checkpoint(tag_dir, self.head)  # refuse before anything loads
+        with all_or_none(f"load_checkpoint: locating {tag_dir!r}", group):
+            if _world()[0] == 0 and not os.path.isdir(tag_dir):
+                with contextlib.suppress(FileNotFoundError):
+                    resolve_tag(load_dir, str(tag))  # puts back a tag whose re-save was killed between renames
+        with all_or_none(f"load_checkpoint: reading {tag_dir!r}", group):  # refuse before anything loads
+            head_state, comp_state, rng = self._read_checkpoint(tag_dir)
         path, client_state = self.engine.load_checkpoint(load_dir, tag=tag)
+        agree(path is not None, f"load_checkpoint: DeepSpeed found a checkpoint for tag {tag!r} in {load_dir!r}",
+              group)
         if path is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint for tag {tag!r} in {load_dir!r}")
-        load_head_state(tag_dir, self.head, self.head_optimizer)
-        if self.compression is not None:  # absent or other world size: residuals restart (warned)
-            from ds_xc.compression import load_compression_state
-            load_compression_state(tag_dir, self.compression)
-        _load_rng_state(tag_dir)
+        with all_or_none(f"load_checkpoint: loading the head shard, residuals and RNG state of {tag_dir!r}", group):
+            apply_head_state(self.head, self.head_optimizer, head_state)
+            if self.compression is not None:  # absent or other world size: residuals restart (warned)
+                from ds_xc.compression.checkpoint import apply_compression_state
+                apply_compression_state(tag_dir, self.compression, *comp_state)
+            _apply_rng_state(rng, tag_dir)
         client_state = client_state or {}
         self.skipped_steps = int(client_state.get("ds_xc", {}).get("skipped_steps", 0))
         self._window_bad = False
         return client_state
 
+    def _read_checkpoint(self, tag_dir: str) -> tuple:
+        """This rank's head shard, compression state and RNG state, read and checked; DeepSpeed's
+        files checked present and readable. Changes nothing (the load happens after agreement)."""
+        head_state = read_head_state(tag_dir, self.head)
+        comp_state = (None, False)
+        if self.compression is not None:
+            from ds_xc.compression.checkpoint import read_compression_state
+            comp_state = read_compression_state(tag_dir, self.compression)
+        rng_path = _rng_file(tag_dir)
+        rng = load_file(rng_path, "RNG state file") if os.path.isfile(rng_path) else None
+        _check_engine_files(tag_dir, self.engine)
+        return head_state, comp_state, rng
+
 
 # ---------------------------------------------------------------------- helpers
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def _finite(t: torch.Tensor) -> bool:
+    return bool(torch.isfinite(t).all())
 
 
 @contextlib.contextmanager
@@ -381,14 +432,13 @@ def _rng_state() -> dict:
     return state
 
 
-def _load_rng_state(tag_dir: str) -> None:
-    path = _rng_file(tag_dir)
-    if not os.path.isfile(path):
+def _apply_rng_state(state: Optional[dict], tag_dir: str) -> None:
+    """Restore the global RNG streams read from ``tag_dir`` (None: the file was absent, warned)."""
+    if state is None:
         log.warning("%s is absent (older checkpoint, or another world size): the global torch/numpy/python "
-                    "RNG streams are not restored", path)
+                    "RNG streams are not restored", _rng_file(tag_dir))
         return
     import numpy as np
-    state = load_file(path, "RNG state file", map_location="cpu")  # RNG states are CPU ByteTensors
     torch.set_rng_state(state["torch"])
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
@@ -398,9 +448,30 @@ def _load_rng_state(tag_dir: str) -> None:
         saved, here = len(state["cuda"]), torch.cuda.device_count()
         if saved != here:
             log.warning("%s holds CUDA RNG states of %d device(s), this process sees %d: the first %d are "
-                        "restored", path, saved, here, min(saved, here))
+                        "restored", _rng_file(tag_dir), saved, here, min(saved, here))
         for index, cuda_state in enumerate(state["cuda"][:here]):
             torch.cuda.set_rng_state(cuda_state.cpu(), index)
+
+
+def _check_engine_files(tag_dir: str, engine) -> None:
+    """DeepSpeed's files of ``tag_dir`` this rank will read exist and are complete torch zip files.
+
+    DeepSpeed reads them with collectives around, so a rank that failed inside its load would
+    leave the others waiting; checking here (the zip directory at the end of each file: a
+    truncated file has none) turns a missing or cut file into an agreed error first."""
+    import zipfile
+    model = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
+    files = [model] + (sorted(glob.glob(os.path.join(tag_dir, "*zero_pp_rank_*_optim_states.pt")))
+                       if engine.zero_optimization_stage() in (1, 2) else [])
+    for path in files:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"DeepSpeed checkpoint file {path!r} is missing")
+        try:
+            with zipfile.ZipFile(path) as zf:
+                zf.namelist()
+        except (zipfile.BadZipFile, OSError) as exc:
+            raise CheckpointError(f"cannot read DeepSpeed checkpoint file {path!r} (damaged or truncated): "
+                                  f"{exc}") from None
 
 
 # ---------------------------------------------------------------------- lost peers
@@ -470,6 +541,25 @@ def describe_comm_failure(exc: BaseException, peers: Optional[list] = None, time
     return f"rank {rank} of {world}: a collective failed; {cause}. Error: {type(exc).__name__}: {first}"
 
 
+def _agreed_config(raw: dict, head_group) -> cfg.XCConfig:
+    """Validate the config on every rank, check that every rank has the same one, and that each
+    rank of ``head_group`` gets at least one class; all before ``deepspeed.initialize`` runs.
+
+    A config that is invalid on one rank only, or differs between ranks, is an error on every
+    rank (naming the keys and the ranks' values) instead of a hang in DeepSpeed's first collective."""
+    world = dist.group.WORLD
+    with all_or_none("checking the DeepSpeed config", world):
+        check_supported(raw)
+        xc_config = cfg.parse_config(raw)
+    agree(raw, "the DeepSpeed config (config= / args.deepspeed_config)", world)
+    ranks, num_classes = group_size(head_group), xc_config.extreme_classification.num_classes
+    if num_classes < ranks:
+        raise cfg.ConfigError(f"{cfg.HEAD_SECTION}.num_classes={num_classes} is below the number of ranks the "
+                              f"classes are sharded over ({ranks}): every rank holds at least one class; use "
+                              f"num_classes >= {ranks}, or at most {num_classes} ranks")
+    return xc_config
+
+
 def initialize(args=None, model: torch.nn.Module = None, config=None, model_parameters=None,
                optimizer=None, lr_scheduler=None, head_group=None, **ds_kwargs) -> XCEngine:
     """Build the DeepSpeed engine for ``model`` (the backbone), the head and its optimizer.
@@ -479,11 +569,12 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
     the classes are sharded over (default: the world).
     """
     raw = load_raw_config(config, args)
-    check_supported(raw)
-    xc_config = cfg.parse_config(raw)
     deepspeed = _cpu_friendly_deepspeed()
-    if not dist.is_initialized():  # a plain `python script.py` becomes a one-process group
-        init_distributed()
+    if not dist.is_initialized():  # single process so far: refuse a bad config before starting a group
+        check_supported(raw)
+        cfg.parse_config(raw)
+        init_distributed()  # a plain `python script.py` becomes a one-process group
+    xc_config = _agreed_config(raw, head_group)
     if model_parameters is None:
         model_parameters = [p for p in model.parameters() if p.requires_grad]
     base_lr = _base_lr(raw, optimizer)

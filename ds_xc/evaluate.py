@@ -7,7 +7,9 @@ impostor pairs (different classes), cosine similarity.
 
 Every rank runs the backbone on its own share of each held-out batch, the head merges
 the per-shard top-k (ClassParallelHead.topk), and hit counts are summed over the group.
-Every rank must iterate the same number of batches (the built-in data sets guarantee it).
+Every rank must iterate the same number of batches (the built-in data sets guarantee it);
+the ranks check it before each batch (ds_xc.parallel.agree), so a mismatch is an error
+on every rank, not a hang.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ds_xc.parallel.agree import agree, agree_outcome, all_or_none
 from ds_xc.parallel.groups import is_distributed
 
 __all__ = ["evaluate_topk", "tar_at_far", "verification"]
@@ -28,24 +31,55 @@ def evaluate_topk(embed: Callable[[torch.Tensor], torch.Tensor], head, batches: 
                   ks: Sequence[int] = (1, 5), device=None) -> dict:
     """{"top1": .., "top5": .., "samples": N} over the whole held-out set (all ranks).
 
-    ``embed`` maps inputs to embeddings (the backbone, already in eval mode).
+    ``embed`` maps inputs to embeddings (the backbone, already in eval mode). A collective
+    over ``head.group``: the ranks first agree on ``ks``, then, before each batch's top-k,
+    on whether a batch follows. Another ``ks`` on one rank, a rank with more or fewer
+    batches, or a rank whose data or ``embed`` raised, is an error on every rank (naming the
+    ranks and values) instead of a hang in the head's gathers.
     """
+    group = head.group
+    with all_or_none("evaluate_topk(ks=...)", group):
+        if not ks or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in ks):
+            raise ValueError(f"evaluate_topk: ks={tuple(ks)!r}; expected a non-empty list of integers >= 1")
+    ks = tuple(agree(tuple(int(k) for k in ks), "evaluate_topk ks", group))
     kmax = max(ks)
     hits = torch.zeros(len(ks) + 1, dtype=torch.float64, device=head.weight.device)  # NCCL needs device tensors
-    for inputs, labels in batches:
-        if device is not None:
-            inputs, labels = inputs.to(device), labels.to(device)
-        top = head.topk(embed(inputs), k=kmax)  # (B, kmax) global class ids
+    it, done = iter(batches), 0
+    while True:
+        status, emb, labels = _next_embedded(it, embed, device, done)
+        agree_outcome(emb if status == "error" else None, f"evaluate_topk: reading and embedding held-out "
+                      f"batch {done}", group)
+        agree(status, "the held-out batches (every rank must iterate the same number in evaluate_topk)", group)
+        if status.startswith("end"):
+            break
+        top = head.topk(emb, k=kmax)  # (B, kmax) global class ids
         match = top == labels.to(top.device)[:, None]
         for i, k in enumerate(ks):
             hits[i] += match[:, :k].any(dim=1).sum()
         hits[-1] += labels.shape[0]
-    if is_distributed(head.group):
-        dist.all_reduce(hits, group=head.group)
+        done += 1
+    if is_distributed(group):
+        dist.all_reduce(hits, group=group)
     n = max(hits[-1].item(), 1.0)
     out = {f"top{k}": hits[i].item() / n for i, k in enumerate(ks)}
     out["samples"] = int(hits[-1].item())
     return out
+
+
+def _next_embedded(it, embed, device, done: int):
+    """("batch N" | "end after N batches" | "error", embeddings or the exception, labels) for the next batch."""
+    try:
+        inputs, labels = next(it)
+    except StopIteration:
+        return f"end after {done} batches", None, None
+    except Exception as exc:
+        return "error", exc, None
+    try:
+        if device is not None:
+            inputs, labels = inputs.to(device), labels.to(device)
+        return f"batch {done}", embed(inputs), labels
+    except Exception as exc:
+        return "error", exc, None
 
 
 def tar_at_far(genuine: torch.Tensor, impostor: torch.Tensor, fars: Sequence[float] = (1e-3, 1e-4)) -> dict:

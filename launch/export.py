@@ -9,7 +9,8 @@ class, row count, sha256) in ``OUT/head.index.json``. safetensors is used when i
 installed (``--format`` chooses), otherwise ``torch.save`` of plain tensors, which
 ``torch.load(weights_only=True)`` reads. Read it back, whole or one rank's rows, with
 ``ds_xc.checkpoint.load_exported_head(path)`` / ``load_exported_into_head(head, path)``.
-The checkpoint is read shard by shard (memory-mapped): a sharded export needs about one
+One process, no process group and no collectives (started under a launcher with
+WORLD_SIZE > 1 it refuses). The checkpoint is read shard by shard (memory-mapped): a sharded export needs about one
 block of memory; a single file needs the whole head.
 """
 from __future__ import annotations
@@ -23,7 +24,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from ds_xc.checkpoint import (EXPORT_FORMAT, EXPORT_INDEX, CheckpointError, ShardRows,  # noqa: E402
-                              _atomic_json, atomic_save, file_sha256, resolve_tag)
+                              _atomic_json, atomic_save, file_sha256, refuse_under_launcher,
+                              resolve_tag)
 
 
 def have_safetensors() -> bool:
@@ -97,6 +99,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    refuse_under_launcher("export")  # no collectives here: one process does all the work
     try:
         tag = resolve_tag(args.load_dir, args.tag)
         report = export(os.path.join(args.load_dir, tag), args.out, args.max_shard_rows, args.fmt)

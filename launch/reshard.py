@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from ds_xc.checkpoint import (HEAD_DIR, CheckpointError, ShardRows, atomic_save, load_file,  # noqa: E402
-                              read_meta, resolve_tag, shard_file, write_meta)
+                              read_meta, refuse_under_launcher, resolve_tag, shard_file, write_meta)
 from ds_xc.compression.checkpoint import COMPRESSION_DIR, compression_file  # noqa: E402
 from ds_xc.head.partition import shard_range  # noqa: E402
 
@@ -234,6 +234,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    refuse_under_launcher("reshard")  # no collectives here: one process does all the work
     try:
         report = reshard(args.load_dir, args.out_dir, args.world_size, args.tag)
     except (ReshardError, CheckpointError, FileNotFoundError) as exc:

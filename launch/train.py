@@ -25,6 +25,7 @@ import ds_xc  # noqa: E402
 from ds_xc.data import build_dataset  # noqa: E402
 from ds_xc.engine import describe_comm_failure, init_distributed, is_comm_failure, load_raw_config  # noqa: E402
 from ds_xc.evaluate import evaluate_topk  # noqa: E402
+from ds_xc.parallel.agree import all_or_none  # noqa: E402
 from ds_xc.models import build_backbone  # noqa: E402
 
 EXIT_PEER_LOST = 3  # exit status of a rank whose peer died or stopped answering
@@ -155,14 +156,14 @@ def _train(args, raw: dict, xcfg, rank: int, world: int) -> dict:
     def verify() -> dict:
         """TAR at FAR 1e-3 / 1e-4 on the data set's held-out designs (rank 0; the backbone is replicated)."""
         res = {}
-        if rank == 0:
-            from ds_xc.evaluate import verification
-            xc.eval()
-            images, labels, designs = data.verification_set()
-            res = verification(lambda x: xc.engine(x.to(xc.engine.device).to(cast) if cast else
-                                                   x.to(xc.engine.device)), images, labels, designs)
-            xc.train()
-        dist.barrier()
+        with all_or_none("verification on rank 0", dist.group.WORLD):  # rank 0 failing must not leave the others waiting
+            if rank == 0:
+                from ds_xc.evaluate import verification
+                xc.eval()
+                images, labels, designs = data.verification_set()
+                res = verification(lambda x: xc.engine(x.to(xc.engine.device).to(cast) if cast else
+                                                       x.to(xc.engine.device)), images, labels, designs)
+                xc.train()
         return res
 
     def save(step: int) -> None:

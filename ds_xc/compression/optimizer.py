@@ -34,6 +34,7 @@ from ds_xc.compression.layout import plan_layout
 from ds_xc.compression.transport import (DTYPES, NodeGroups, WireCounter, all_gather_slices, allreduce_bytes,
                                          build_node_groups, dense_allreduce_mean_, reduce_scatter_sum,
                                          sparse_allgather_mean, values_allreduce_mean)
+from ds_xc.parallel.agree import agree, all_or_none
 from ds_xc.parallel.groups import group_rank, group_size, is_distributed
 
 log = logging.getLogger(__name__)
@@ -448,6 +449,16 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 else:
                     tstate[key] = value.clone() if torch.is_tensor(value) else value
 
+    def check_compression_state(self, state) -> None:
+        """Raise ValueError when ``state`` is not a compression state this optimizer can load
+        (format, the number and sizes of its tensors, world size and step fields); changes nothing."""
+        if not isinstance(state, dict):
+            raise ValueError(f"compression state is a {type(state).__name__}; expected a dict")
+        missing = [k for k in ("format", "numels", "step", "world_size", "ranks_per_node") if k not in state]
+        if missing:
+            raise ValueError(f"compression state lacks {missing}")
+        self._check_compatible(state)
+
     def _check_compatible(self, state: dict) -> None:
         if state.get("format") != _FORMAT:
             raise ValueError(f"compression state format {state.get('format')!r}: expected {_FORMAT}")
@@ -469,12 +480,18 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 "compression": self.compression_state_dict(rank_state=self.rank_state_in_state_dict)}
 
     def load_state_dict(self, state_dict: dict, **kwargs) -> None:
-        """Load both parts; ``kwargs`` go to the wrapped optimizer (DeepSpeed passes some)."""
+        """Load both parts; ``kwargs`` go to the wrapped optimizer (DeepSpeed passes some).
+
+        Collective over ``self.group`` (DeepSpeed calls it on every rank): the ranks check the
+        compression part and agree on the outcome and the step before anything is loaded."""
         if not ("inner" in state_dict and "compression" in state_dict):
             log.warning("optimizer state without a 'compression' part (saved uncompressed?): loading it into "
                         "the wrapped optimizer; error-feedback residuals start from zero")
             self.inner.load_state_dict(state_dict, **kwargs)
             return
-        self._check_compatible(state_dict["compression"])  # before anything is loaded
+        with all_or_none("CompressedOptimizer.load_state_dict (checking the compression state)", self.group):
+            self.check_compression_state(state_dict["compression"])  # before anything is loaded
+        agree(int(state_dict["compression"]["step"]), "the compression step of the optimizer state being loaded",
+              self.group)
         self.inner.load_state_dict(state_dict["inner"], **kwargs)
         self.load_compression_state_dict(state_dict["compression"])
