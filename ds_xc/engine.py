@@ -382,8 +382,7 @@ class XCEngine:
         if self.compression is not None:
             from ds_xc.compression.checkpoint import read_compression_state
             comp_state = read_compression_state(tag_dir, self.compression)
-        rng_path = _rng_file(tag_dir)
-        rng = load_file(rng_path, "RNG state file") if os.path.isfile(rng_path) else None
+        rng = _read_rng_state(tag_dir)
         _check_engine_files(tag_dir, self.engine)
         return head_state, comp_state, rng
 
@@ -430,6 +429,13 @@ def _rng_state() -> dict:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
+
+
+def _read_rng_state(tag_dir: str) -> Optional[dict]:
+    """The RNG states saved in ``tag_dir`` (None when absent), read to the CPU: RNG states are CPU
+    ByteTensors, CUDA ones included (``torch.cuda.set_rng_state`` takes a CPU tensor)."""
+    path = _rng_file(tag_dir)
+    return load_file(path, "RNG state file", map_location="cpu") if os.path.isfile(path) else None
 
 
 def _apply_rng_state(state: Optional[dict], tag_dir: str) -> None:

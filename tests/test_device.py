@@ -266,7 +266,7 @@ def test_rng_file_is_read_to_cpu_and_extra_cuda_states_are_left(tmp_path, monkey
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, i: restored.append((i, s.device.type, int(s[0]))))
     with caplog.at_level(logging.WARNING, logger="ds_xc.engine"):
-        xc_engine._load_rng_state(str(tmp_path))
+        xc_engine._apply_rng_state(xc_engine._read_rng_state(str(tmp_path)), str(tmp_path))
     assert seen == ["cpu"] and restored == [(0, "cpu", 0)]
     assert "CUDA RNG states of 2 device(s), this process sees 1" in caplog.text
 
