@@ -19,8 +19,6 @@ import logging
 import os
 import random
 import shutil
-import socket
-import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -31,14 +29,37 @@ from ds_xc import config as cfg
 from ds_xc.checkpoint import (atomic_save, check_head_checkpoint, fsync_tree, load_file, load_head_state,
                               publish_tag, resolve_tag, save_head_state)
 from ds_xc.head import ClassParallelHead, build_head_optimizer
+from ds_xc.manifest import verify_manifest_all_ranks, write_manifest_all_ranks
+from ds_xc.peers import describe_comm_failure, gather_peers, is_comm_failure, lost_peers, stopped_peers
 
 log = logging.getLogger(__name__)
 
 __all__ = ["initialize", "init_distributed", "XCEngine", "check_supported", "load_raw_config", "gather_peers",
-           "lost_peers", "describe_comm_failure", "is_comm_failure"]
+           "lost_peers", "stopped_peers", "describe_comm_failure", "is_comm_failure", "PHASES"]
 
 RNG_DIR = "ds_xc_rng"
 STAGING_PREFIX = ".staging_"
+# what XCEngine.phase can name: the part of a step a rank is in, for the message of a failed collective
+PHASES = ("setup", "forward", "backward", "gradient reduction", "optimizer step", "checkpoint save",
+          "checkpoint load", "index rebuild", "evaluation", "overlapped forward-backward")
+
+
+class _Phase:
+    """``with xc.in_phase(name):`` sets ``xc.phase`` for the block; an exception leaves it set (the
+    failure handler reads it), a normal exit restores the enclosing phase. Two attribute writes."""
+
+    __slots__ = ("xc", "name", "prev")
+
+    def __init__(self, xc, name: str):
+        self.xc, self.name = xc, name
+
+    def __enter__(self):
+        self.prev, self.xc.phase = self.xc.phase, self.name
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            self.xc.phase = self.prev
+        return False
 
 
 def load_raw_config(config=None, args=None) -> dict:
@@ -95,6 +116,15 @@ def init_distributed(timeout_s: float = 1800.0) -> None:
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     deepspeed = _cpu_friendly_deepspeed()
     deepspeed.init_distributed(timeout=datetime.timedelta(seconds=timeout_s))
+    _COMM_TIMEOUT_S[0] = float(timeout_s)
+
+
+_COMM_TIMEOUT_S = [None]  # init_distributed's timeout: torch's new groups default to 30 min, not to the world's
+
+
+def _new_group_timeout():
+    import datetime
+    return None if _COMM_TIMEOUT_S[0] is None else datetime.timedelta(seconds=_COMM_TIMEOUT_S[0])
 
 
 def _base_lr(raw: dict, optimizer) -> Optional[float]:
@@ -125,9 +155,19 @@ class XCEngine:
     peers: list = field(default_factory=list)  # [(hostname, pid)] per world rank, to name a lost peer
     skipped_steps: int = 0  # optimizer steps skipped for NaN/Inf (extreme_classification.nonfinite="skip")
     _window_bad: bool = False  # a micro-step of the current accumulation window had a non-finite loss
+    phase: str = "setup"  # the part of the step this rank is in (one of PHASES), named when a collective fails
+
+    def in_phase(self, name: str) -> _Phase:
+        """A context manager marking a part of the step (see PHASES), e.g. ``with xc.in_phase("evaluation"):``."""
+        return _Phase(self, name)
+
+    def where(self) -> str:
+        """'during <phase> at global step N' (N: optimizer steps completed), for error messages."""
+        return f"during {self.phase} at global step {self.global_steps}"
 
     def __call__(self, inputs, labels, batch_sizes=None) -> torch.Tensor:
-        return self.head(self.engine(inputs), labels, batch_sizes)
+        with self.in_phase("forward"):
+            return self.head(self.engine(inputs), labels, batch_sizes)
 
     def backward(self, loss: torch.Tensor) -> None:
         """engine.backward(loss), unless the loss is NaN/Inf: then no backward runs and the step is skipped.
@@ -135,7 +175,8 @@ class XCEngine:
         The loss is the global-batch mean, the same value on every rank, so every rank takes this
         decision alike without communicating (and nobody waits in DeepSpeed's gradient all-reduce)."""
         if self._loss_is_finite(loss):
-            self.engine.backward(loss)
+            with self.in_phase("backward"):
+                self.engine.backward(loss)
 
     def _loss_is_finite(self, loss: torch.Tensor) -> bool:
         if bool(torch.isfinite(loss.detach()).all()):
@@ -160,7 +201,8 @@ class XCEngine:
             self.backward(loss)
             return loss.detach()
         from ds_xc.overlap.run import overlapped_micro_step
-        loss = overlapped_micro_step(self, inputs, labels, batch_sizes)
+        with self.in_phase("overlapped forward-backward"):
+            loss = overlapped_micro_step(self, inputs, labels, batch_sizes)
         self._loss_is_finite(loss)  # the chunks' backward may have run already: step() skips the update
         return loss
 
@@ -179,6 +221,10 @@ class XCEngine:
         runs while the backbone's gradient buckets are still on the wire; then the buckets
         are waited for and the engine steps.
         """
+        with self.in_phase("optimizer step"):
+            self._step()
+
+    def _step(self) -> None:
         boundary = self.engine.is_gradient_accumulation_boundary()
         if boundary and self._step_is_bad():
             self._skip_step()
@@ -192,7 +238,8 @@ class XCEngine:
             self.head_optimizer.step()
             self.head_optimizer.zero_grad(set_to_none=True)
             if self.grad_reducer is not None:
-                self.grad_reducer.finish()
+                with self.in_phase("gradient reduction"):
+                    self.grad_reducer.finish()
         self.engine.step()
         if self.schedule is not None:
             from ds_xc.overlap.run import end_micro_step
@@ -277,6 +324,10 @@ class XCEngine:
         touch ``latest``); after a barrier rank 0 fsyncs the files, renames the folder to
         ``save_dir/<tag>`` and then replaces ``latest`` atomically (write, fsync, rename).
         """
+        with self.in_phase("checkpoint save"):
+            return self._save_checkpoint(save_dir, tag, client_state)
+
+    def _save_checkpoint(self, save_dir: str, tag: Optional[str], client_state: Optional[dict]) -> str:
         tag = str(tag or f"global_step{self.global_steps}")
         if not tag or os.sep in tag or tag.startswith(".") or tag == "latest":
             raise ValueError(f"checkpoint tag {tag!r}: must be a plain folder name (no '/', not starting "
@@ -299,6 +350,7 @@ class XCEngine:
         state["ds_xc"] = {"num_classes": self.head.num_classes, "world_size": self.head.world_size,
                           "skipped_steps": self.skipped_steps}
         self.engine.save_checkpoint(save_dir, tag=STAGING_PREFIX + tag, client_state=state, save_latest=False)
+        write_manifest_all_ranks(staging, self.flag_group)
         if rank0:
             fsync_tree(staging)
             publish_tag(save_dir, tag, staging)
@@ -310,6 +362,10 @@ class XCEngine:
         """Load engine + head (+ residuals, RNG states); returns the client state, or None when
         there is no checkpoint. A head of another class count or world size is refused before
         anything is loaded, with the command that reshards it."""
+        with self.in_phase("checkpoint load"):
+            return self._load_checkpoint(load_dir, tag)
+
+    def _load_checkpoint(self, load_dir: str, tag: Optional[str]) -> Optional[dict]:
         if tag is None:
             latest = os.path.join(load_dir, "latest")
             if not os.path.isfile(latest):
@@ -321,6 +377,7 @@ class XCEngine:
             with contextlib.suppress(FileNotFoundError):
                 resolve_tag(load_dir, str(tag))  # puts back a tag whose re-save was killed between renames
         _barrier()
+        verify_manifest_all_ranks(tag_dir, self.flag_group)  # a truncated or bit-flipped file: refused on every rank
         check_head_checkpoint(tag_dir, self.head)  # refuse before anything loads
         path, client_state = self.engine.load_checkpoint(load_dir, tag=tag)
         if path is None:
@@ -398,73 +455,6 @@ def _load_rng_state(tag_dir: str) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-# ---------------------------------------------------------------------- lost peers
-def gather_peers() -> list:
-    """[(hostname, pid)] of every world rank (one all_gather_object), to name a peer that dies."""
-    me = (socket.gethostname(), os.getpid())
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [me]
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, me)
-    return out
-
-
-def _process_gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:  # a killed child stays a zombie until its parent reaps it
-            return fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-    except OSError:
-        try:
-            os.kill(pid, 0)
-            return False
-        except ProcessLookupError:
-            return True
-        except OSError:
-            return False
-
-
-_EXIT_GRACE_S = 3.0  # how long a failed collective waits for a dying peer to show as gone
-
-
-def lost_peers(peers: list) -> list:
-    """World ranks on this host whose process is gone (ranks on other hosts cannot be checked)."""
-    host = socket.gethostname()
-    return [r for r, (h, pid) in enumerate(peers) if h == host and pid != os.getpid() and _process_gone(pid)]
-
-
-def is_comm_failure(exc: BaseException) -> bool:
-    """True for the errors a collective raises when a peer died or did not answer in time."""
-    if isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(k in text for k in (
-        "gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout", "broken pipe",
-        "peer", "socket"))
-
-
-def describe_comm_failure(exc: BaseException, peers: Optional[list] = None, timeout_s: Optional[float] = None) -> str:
-    """One line for a failed collective: this rank, the peers found dead, and the original error."""
-    rank, world = _world()
-    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-    gone = []
-    deadline = time.monotonic() + _EXIT_GRACE_S
-    while peers:  # a killed peer's sockets close before it becomes a zombie: give its exit a moment
-        gone = lost_peers(peers)
-        if gone or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    if gone:
-        who = ", ".join(f"rank {r} (pid {peers[r][1]} on {peers[r][0]})" for r in gone)
-        cause = f"peer process gone: {who}"
-    else:
-        cause = ("a peer rank is gone or stuck" + (f" for more than {timeout_s:g} s" if timeout_s else "")
-                 + " (no dead rank found on this host" + (f"; ranks on other hosts: "
-                 f"{[r for r, (h, _) in enumerate(peers) if h != socket.gethostname()]}" if peers else "") + ")")
-    return f"rank {rank} of {world}: a collective failed; {cause}. Error: {type(exc).__name__}: {first}"
-
-
 def initialize(args=None, model: torch.nn.Module = None, config=None, model_parameters=None,
                optimizer=None, lr_scheduler=None, head_group=None, **ds_kwargs) -> XCEngine:
     """Build the DeepSpeed engine for ``model`` (the backbone), the head and its optimizer.
@@ -499,10 +489,25 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
         schedule, reducer = build_overlap(engine, head, xc_config.extreme_classification.overlap, compression)
     flag_group = None
     if dist.get_world_size() > 1:  # a group of its own: the verdict does not queue behind gradient buckets
-        flag_group = dist.new_group(backend="gloo")
+        flag_group = dist.new_group(backend="gloo", timeout=_new_group_timeout())
     peers = gather_peers()
     log.info("ds_xc: engine ready (ZeRO stage %d, bf16=%s), head shard %s", engine.zero_optimization_stage(),
              engine.bfloat16_enabled(), head.extra_repr())
-    return XCEngine(engine=engine, head=head, head_optimizer=head_optimizer, config=xc_config,
-                    lr_scheduler=scheduler, base_lr=base_lr, compression=compression, schedule=schedule,
-                    grad_reducer=reducer, flag_group=flag_group, peers=peers)
+    xc = XCEngine(engine=engine, head=head, head_optimizer=head_optimizer, config=xc_config,
+                  lr_scheduler=scheduler, base_lr=base_lr, compression=compression, schedule=schedule,
+                  grad_reducer=reducer, flag_group=flag_group, peers=peers)
+    _mark_phase(xc, engine, "allreduce_gradients", "gradient reduction")  # DeepSpeed's, inside engine.backward
+    _mark_phase(xc, head.sampler, "rebuild", "index rebuild")  # ANN index / kNN graph, inside the forward
+    return xc
+
+
+def _mark_phase(xc: XCEngine, obj, method: str, phase: str) -> None:
+    """Wrap ``obj.method`` (this instance only) in ``xc.in_phase(phase)``; a no-op when it has no such method."""
+    inner = getattr(obj, method, None)
+    if inner is None:
+        return
+
+    def marked(*args, **kwargs):
+        with xc.in_phase(phase):
+            return inner(*args, **kwargs)
+    setattr(obj, method, marked)
