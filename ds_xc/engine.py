@@ -29,7 +29,7 @@ from ds_xc import config as cfg
 from ds_xc.checkpoint import (atomic_save, check_head_checkpoint, fsync_tree, load_file, load_head_state,
                               publish_tag, resolve_tag, save_head_state)
 from ds_xc.head import ClassParallelHead, build_head_optimizer
-from ds_xc.manifest import verify_manifest_all_ranks, write_manifest_all_ranks
+from ds_xc.manifest import raise_if_disk_full, verify_manifest_all_ranks, write_manifest_all_ranks
 from ds_xc.peers import describe_comm_failure, gather_peers, is_comm_failure, lost_peers, stopped_peers
 
 log = logging.getLogger(__name__)
@@ -325,7 +325,12 @@ class XCEngine:
         ``save_dir/<tag>`` and then replaces ``latest`` atomically (write, fsync, rename).
         """
         with self.in_phase("checkpoint save"):
-            return self._save_checkpoint(save_dir, tag, client_state)
+            try:
+                return self._save_checkpoint(save_dir, tag, client_state)
+            except Exception as exc:
+                if not is_comm_failure(exc):
+                    raise_if_disk_full(exc, save_dir)  # torch.save says "unexpected pos", not ENOSPC
+                raise
 
     def _save_checkpoint(self, save_dir: str, tag: Optional[str], client_state: Optional[dict]) -> str:
         tag = str(tag or f"global_step{self.global_steps}")

@@ -12,6 +12,7 @@ every rank. Checkpoints written without a manifest load with a warning.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -25,7 +26,7 @@ from ds_xc.checkpoint import CheckpointError
 log = logging.getLogger(__name__)
 
 __all__ = ["MANIFEST_FILE", "list_files", "hash_files", "write_manifest", "read_manifest", "check_files",
-           "write_manifest_all_ranks", "verify_manifest_all_ranks"]
+           "write_manifest_all_ranks", "verify_manifest_all_ranks", "raise_if_disk_full"]
 
 MANIFEST_FILE = "ds_xc_manifest.json"
 
@@ -107,6 +108,25 @@ def check_files(tag_dir: str, files: dict, names: list) -> list:
         elif got["sha256"] != want["sha256"]:
             problems.append(f"{path!r} does not match its sha256 in the manifest (damaged)")
     return problems
+
+
+_FULL_BYTES = 1 << 20  # a file system with less free space than this counts as full
+
+
+def raise_if_disk_full(exc: BaseException, save_dir: str) -> None:
+    """Re-raise a failed save as OSError(ENOSPC) naming ``save_dir`` and its free bytes when its file
+    system is full: torch.save then fails with "unexpected pos ..." and never mentions the disk."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return
+    try:
+        st = os.statvfs(save_dir)
+    except OSError:
+        return
+    free = st.f_bavail * st.f_frsize
+    if free < _FULL_BYTES:
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: {save_dir!r} has {free} bytes free, the "
+                      f"checkpoint was not saved (the previous one and 'latest' are intact; make room and "
+                      f"save again): {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
 
 
 # ---------------------------------------------------------------------- on every rank of a job

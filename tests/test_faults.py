@@ -25,7 +25,9 @@ import multiprocessing as mp
 import os
 import random
 import re
+import shutil
 import signal
+import subprocess
 import time
 
 import pytest
@@ -103,13 +105,14 @@ def _server():
     return ctx
 
 
-def _job(ctx, folder, spec, cfg=None):
-    """Run a 2-rank job with ``spec`` injected; returns {"codes", "logs", "pids", "stop_s", "fault_t"}."""
+def _job(ctx, folder, spec, save_dir=None):
+    """Run a 2-rank job with ``spec`` injected; returns {"codes", "logs", "pids", "stop_s", "fault_t", "hung"}."""
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "cfg.json"), "w") as fh:
-        json.dump(cfg or CFG, fh)
+        json.dump(CFG, fh)
     spec = dict(spec, stamp=os.path.join(folder, "stamp"))
-    argv = ["--deepspeed_config", os.path.join(folder, "cfg.json"), "--save_dir", os.path.join(folder, "ckpt")]
+    argv = ["--deepspeed_config", os.path.join(folder, "cfg.json"), "--save_dir",
+            save_dir or os.path.join(folder, "ckpt")]
     port, logs = free_port(), [os.path.join(folder, f"rank{r}.log") for r in range(2)]
     procs = [ctx.Process(target=fault_driver.run_rank, args=(r, 2, port, spec, argv, logs[r])) for r in range(2)]
     for p in procs:
@@ -285,3 +288,99 @@ def _where(trace: list, rank: int, step: int, phase: str):
     """The index of the first entry of ``phase`` at ``step`` in ``rank``'s trace (None when absent)."""
     entries = [(s, p) for r, s, p in trace if r == rank]
     return entries.index((step, phase)) if (step, phase) in entries else None
+
+
+# ---------------------------------------------------------------------- a full disk
+@pytest.mark.parametrize("at,rank", [("phase:checkpoint save", 1), (DS_SAVE, 0)], ids=["save-start", "deepspeed-file"])
+def test_a_full_disk_during_a_save_stops_the_job_and_keeps_the_last_checkpoint(reference, pools, tmp_path, at, rank):
+    """A 4 MiB tmpfs holds the checkpoints; at the save of step 4 one rank fills it up (the fallback where
+    mounting is refused: that rank's next torch.save writes half a file and raises ENOSPC)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True)
+    spec = {"rank": rank, "at": at, "step": 4, "action": "fill", "fill": str(disk)}
+    if mounted.returncode != 0:
+        spec["action"] = "enospc"
+        TALLY["notes"] = f"ENOSPC simulated (mount refused: {mounted.stderr.decode().strip()[:200]})"
+    try:
+        job = _job(reference["ctx"], str(tmp_path / "job"), spec, save_dir=str(disk / "ckpt"))
+        if os.path.exists(disk / "filler.bin"):
+            os.remove(disk / "filler.bin")  # the disk has room again: resume on it
+        problems = [f"ranks {job['hung']} still running" for _ in job["hung"][:1]]
+        problems += [f"rank {r} exit code {c}" for r, c in enumerate(job["codes"]) if c in (0, None)]
+        named = [r for r in range(2) if re.search(rf"rank {r} of 2: .*during checkpoint save at global step 4",
+                                                  job["logs"][r])]
+        if sorted(named) != [0, 1]:
+            problems.append(f"only ranks {named} name themselves and the phase")
+        if not any("No space left on device" in log for log in job["logs"]):
+            problems.append("no rank reports ENOSPC")
+        lost = _check_resume(reference, str(disk / "ckpt"), "step2", pools)
+    finally:
+        if mounted.returncode == 0:
+            subprocess.run(["umount", "-l", str(disk)], check=False)
+    _count("full disk", not problems and not lost, hangs=int(bool(job["hung"])), data_lost=int(bool(lost)))
+    assert not problems + lost, "\n".join(problems + lost) + "\n" + "\n---\n".join(g[-2500:] for g in job["logs"])
+
+
+# ---------------------------------------------------------------------- damaged files
+def _damage(path: str, kind: str, offset: int, bit: int) -> None:
+    if kind == "truncate":
+        os.truncate(path, offset)
+    else:
+        with open(path, "r+b") as fh:
+            fh.seek(offset)
+            byte = fh.read(1)[0]
+            fh.seek(offset)
+            fh.write(bytes([byte ^ (1 << bit)]))
+
+
+def _load_damaged(rank, world, raw, src, tag, cases, work):
+    """Load each damaged copy of ``src/tag``: ("error", message) or ("loaded", differences to the saved state)."""
+    import torch.distributed as dist
+    xc, _ = _engine(raw)
+    xc.load_checkpoint(src, tag=tag)
+    want = dict(_snapshot(xc), rng=torch.get_rng_state())
+    out = []
+    for i, (name, kind, offset, bit) in enumerate(cases):
+        folder = os.path.join(work, f"case{i}")
+        if rank == 0:
+            shutil.copytree(os.path.join(src, tag), os.path.join(folder, tag))
+            with open(os.path.join(folder, "latest"), "w") as fh:
+                fh.write(tag)
+            _damage(os.path.join(folder, tag, name), kind, offset, bit)
+        dist.barrier()
+        try:
+            xc.load_checkpoint(folder)
+        except Exception as exc:
+            out.append(("error", f"{type(exc).__name__}: {exc}"))
+            xc.load_checkpoint(src, tag=tag)  # the state as saved again, whatever an error left
+        else:
+            got = dict(_snapshot(xc), rng=torch.get_rng_state())
+            out.append(("loaded", _differences(got, want) + ([] if torch.equal(got["rng"], want["rng"]) else ["rng"])))
+    return out
+
+
+def test_damaged_checkpoint_files_are_refused_naming_the_file_or_load_exactly(reference, pools, tmp_path):
+    """40 seeded faults: a file of the step-4 checkpoint truncated at, or with one bit flipped at, a random offset."""
+    tag_dir = os.path.join(reference["ckpt"], "step4")
+    files = sorted(os.path.relpath(os.path.join(root, f), tag_dir) for root, _, names in os.walk(tag_dir)
+                   for f in names)
+    rng = random.Random(FAULT_SEED + 1)
+    cases = []
+    for _ in range(40):
+        name = rng.choice(files)
+        size = os.path.getsize(os.path.join(tag_dir, name))
+        cases.append((name, rng.choice(["truncate", "bitflip"]), rng.randrange(size), rng.randrange(8)))
+    results = pools(2).run(_load_damaged, CFG, reference["ckpt"], "step4", cases, str(tmp_path))
+    silent = []
+    for i, (name, kind, offset, bit) in enumerate(cases):
+        for r in range(2):
+            what, detail = results[r][i]
+            named = name in detail or (name == "ds_xc_manifest.json" and "ds_xc_manifest.json" in detail)
+            if (what == "error" and not (detail.startswith("CheckpointError") and named)) or \
+                    (what == "loaded" and detail):
+                silent.append(f"{name} {kind} at {offset} (bit {bit}), rank {r}: {what}: {detail}"[:500])
+        bad = [s for s in silent if s.startswith(f"{name} {kind} at {offset} ")]
+        _count("damaged file", not bad, silent_corruptions=int(bool(bad)))
+    assert not silent, "\n".join(silent)
+    assert {c[0] for c in cases} == set(files)  # every file of the checkpoint was hit at least once
