@@ -70,24 +70,36 @@ def load_raw_config(config=None, args=None) -> dict:
     return cfg._load(source)
 
 
+def _raw_section(raw: dict, name: str) -> dict:
+    """``raw[name]`` as a dict ({} when absent or null); anything else is refused naming the section."""
+    value = raw.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise cfg.ConfigError(f"{name}: expected a JSON object (dict), got {type(value).__name__} {value!r}")
+    return value
+
+
 def check_supported(raw: dict) -> None:
     """Refuse, at start, combinations the head cannot train correctly."""
-    if raw.get("fp16", {}).get("enabled", False):
+    for name in ("fp16", "bf16", "zero_optimization", cfg.COMPRESSION_SECTION, cfg.HEAD_SECTION):
+        _raw_section(raw, name)  # DeepSpeed's own sections too: not an object is refused here, by name
+    if _raw_section(raw, "fp16").get("enabled", False):
         raise cfg.ConfigError("fp16.enabled=true: fp16 loss scaling would scale the head's gradients; "
                               "use bf16.enabled=true (or fp32) with ds_xc")
-    stage = raw.get("zero_optimization", {}).get("stage", 0)
-    if stage not in (0, 1, 2):
+    stage = _raw_section(raw, "zero_optimization").get("stage", 0)
+    if type(stage) is not int or stage not in (0, 1, 2):
         raise cfg.ConfigError(f"zero_optimization.stage={stage!r}: ds_xc supports ZeRO stages 0, 1 and 2 "
                               "for the backbone")
-    method = (raw.get(cfg.COMPRESSION_SECTION) or {}).get("method", "bayes_prior")
+    method = _raw_section(raw, cfg.COMPRESSION_SECTION).get("method", "bayes_prior")
     if cfg.COMPRESSION_SECTION in raw and method != "none":  # refused before an engine is built
         from ds_xc.compression.deepspeed import check_zero_stage
         check_zero_stage(stage, method)
-    overlap = (raw.get(cfg.HEAD_SECTION) or {}).get("overlap")
+    overlap = _raw_section(raw, cfg.HEAD_SECTION).get("overlap")
     if overlap:
         from ds_xc.overlap.run import check_overlap
         check_overlap(cfg.validate_section(cfg.OverlapConfig, overlap, f"{cfg.HEAD_SECTION}.overlap"), int(stage),
-                      bool(raw.get("bf16", {}).get("enabled", False)))
+                      bool(_raw_section(raw, "bf16").get("enabled", False)))
     if cfg.HEAD_SECTION not in raw:
         raise cfg.ConfigError(f"the DeepSpeed config has no '{cfg.HEAD_SECTION}' section; add one with at "
                               "least num_classes and embedding_dim")
