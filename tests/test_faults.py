@@ -83,12 +83,21 @@ def _draw_cases() -> list:
 
 
 CASES = _draw_cases()
+BUCKET = "call:ds_xc.overlap.buckets:BucketedGradReducer._launch"  # one gradient bucket issued (in the backward)
+CFG_OVERLAP = json.loads(json.dumps(CFG))
+CFG_OVERLAP["extreme_classification"]["overlap"] = {"enabled": True, "num_chunks": 2, "bucket_size_mb": 1e-5}
+_R = random.Random(FAULT_SEED + 2)
+OVERLAP_CASES = [("kill", {"at": BUCKET, "step": _R.randrange(2, STEPS), "rank": _R.choice((0, 1)),
+                           "nth": _R.choice((1, 2)), "action": "kill"}),
+                 ("kill", {"at": "phase:gradient reduction", "step": _R.randrange(2, STEPS), "rank": _R.choice((0, 1)),
+                           "action": "kill"}),
+                 ("stop", {"at": BUCKET, "step": _R.randrange(2, STEPS), "rank": _R.choice((0, 1)), "action": "stop"})]
 
 
 def _phase_of(at: str) -> str:
     if at.startswith("phase:"):
         return at[len("phase:"):]
-    return STEP_POINTS.get(at, "checkpoint save")
+    return dict(STEP_POINTS, **{BUCKET: "overlapped forward-backward"}).get(at, "checkpoint save")
 
 
 def _expected_latest(at: str, step: int) -> str:
@@ -105,11 +114,11 @@ def _server():
     return ctx
 
 
-def _job(ctx, folder, spec, save_dir=None):
+def _job(ctx, folder, spec, save_dir=None, cfg=None):
     """Run a 2-rank job with ``spec`` injected; returns {"codes", "logs", "pids", "stop_s", "fault_t", "hung"}."""
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "cfg.json"), "w") as fh:
-        json.dump(CFG, fh)
+        json.dump(cfg or CFG, fh)
     spec = dict(spec, stamp=os.path.join(folder, "stamp"))
     argv = ["--deepspeed_config", os.path.join(folder, "cfg.json"), "--save_dir",
             save_dir or os.path.join(folder, "ckpt")]
@@ -188,23 +197,31 @@ def _differences(a: dict, b: dict) -> list:
     return out
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, pools):
+def _make_reference(folder, pools, cfg) -> dict:
     """The uninterrupted job (tracing the phases it enters) and the pool's straight replay of it."""
-    folder = str(tmp_path_factory.mktemp("reference"))
     ctx = _server()
     trace = os.path.join(folder, "trace")
-    job = _job(ctx, folder, {"action": "trace", "trace": trace})
+    job = _job(ctx, folder, {"action": "trace", "trace": trace}, cfg=cfg)
     assert job["codes"] == [0, 0], job["logs"][0][-3000:]
-    straight = pools(2).run(_replay, CFG, os.path.join(folder, "ckpt"), None, [])
+    straight = pools(2).run(_replay, cfg, os.path.join(folder, "ckpt"), None, [])
     for r in range(2):
         assert straight[r]["final_vs_ref"] == [], straight[r]  # the pool replays launch/train.py exactly
     entries = [line.split(" ", 2) for line in open(trace).read().splitlines()]
-    yield {"ctx": ctx, "ckpt": os.path.join(folder, "ckpt"), "straight": straight,
-           "trace": [(int(r), int(s), p) for r, s, p in entries]}
+    return {"ctx": ctx, "ckpt": os.path.join(folder, "ckpt"), "straight": straight, "cfg": cfg,
+            "trace": [(int(r), int(s), p) for r, s, p in entries]}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, pools):
+    yield _make_reference(str(tmp_path_factory.mktemp("reference")), pools, CFG)
     if os.environ.get("DS_XC_FAULT_TALLY"):
         with open(os.environ["DS_XC_FAULT_TALLY"], "w") as fh:
             json.dump(TALLY, fh, indent=1)
+
+
+@pytest.fixture(scope="module")
+def overlap_reference(tmp_path_factory, pools, reference):
+    return _make_reference(str(tmp_path_factory.mktemp("overlap_reference")), pools, CFG_OVERLAP)
 
 
 def _count(kind: str, survived: bool, **extra) -> None:
@@ -238,7 +255,7 @@ def _check_resume(reference, ckpt: str, expect_latest: str, pools) -> list:
         problems.append(f"latest is {latest!r}, expected {expect_latest!r}")
         return problems
     tags = sorted(d for d in os.listdir(ckpt) if not d.startswith(".") and os.path.isdir(os.path.join(ckpt, d)))
-    got = pools(2).run(_replay, CFG, reference["ckpt"], ckpt, tags)
+    got = pools(2).run(_replay, reference["cfg"], reference["ckpt"], ckpt, tags)
     for r in range(2):
         ref = reference["straight"][r]
         problems += [f"rank {r}: tag {t} differs from the reference in {d}" for t, d in got[r]["tags"].items() if d]
@@ -252,7 +269,18 @@ def _check_resume(reference, ckpt: str, expect_latest: str, pools) -> list:
 @pytest.mark.parametrize("kind,spec", CASES, ids=[f"{k}-{s['at'].split(':')[-1]}-step{s['step']}-rank{s['rank']}"
                                                   for k, s in CASES])
 def test_a_lost_rank_stops_the_job_and_the_last_checkpoint_resumes_exactly(reference, pools, tmp_path, kind, spec):
-    job = _job(reference["ctx"], str(tmp_path), spec)
+    _lost_rank_case(reference, pools, str(tmp_path), kind, spec)
+
+
+@pytest.mark.parametrize("kind,spec", OVERLAP_CASES, ids=[f"{k}-{s['at'].split(':')[-1]}-step{s['step']}-rank{s['rank']}"
+                                                          for k, s in OVERLAP_CASES])
+def test_a_lost_rank_in_the_overlap_pipeline(overlap_reference, pools, tmp_path, kind, spec):
+    """The same with extreme_classification.overlap (chunked head, gradient buckets in flight)."""
+    _lost_rank_case(overlap_reference, pools, str(tmp_path), kind, spec)
+
+
+def _lost_rank_case(reference, pools, folder, kind, spec):
+    job = _job(reference["ctx"], folder, spec, cfg=reference["cfg"])
     victim, survivor = spec["rank"], 1 - spec["rank"]
     hung = bool(job["hung"])
     problems = [f"ranks {job['hung']} still running {TIMEOUT_S + SLACK_S} s after the fault"] if hung else []
@@ -278,7 +306,7 @@ def test_a_lost_rank_stops_the_job_and_the_last_checkpoint_resumes_exactly(refer
             problems.append(f"the lost rank is said to be {how}")
     if job["stop_s"] is not None and job["stop_s"] > TIMEOUT_S + SLACK_S:
         problems.append(f"the job took {job['stop_s']:.1f} s to stop")
-    lost = _check_resume(reference, os.path.join(str(tmp_path), "ckpt"), _expected_latest(spec["at"], spec["step"]),
+    lost = _check_resume(reference, os.path.join(folder, "ckpt"), _expected_latest(spec["at"], spec["step"]),
                          pools) if job["fault_t"] is not None else ["no fault"]
     _count(kind, not problems and not lost, hangs=int(hung), data_lost=int(bool(lost)))
     assert not problems + lost, "\n".join(problems + lost) + "\n--- survivor log:\n" + job["logs"][survivor][-3000:]
