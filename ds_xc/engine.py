@@ -30,6 +30,7 @@ from ds_xc.checkpoint import (atomic_save, check_head_checkpoint, fsync_tree, lo
                               publish_tag, resolve_tag, save_head_state)
 from ds_xc.head import ClassParallelHead, build_head_optimizer
 from ds_xc.manifest import raise_if_disk_full, verify_manifest_all_ranks, write_manifest_all_ranks
+from ds_xc.parallel.groups import new_group, set_comm_timeout
 from ds_xc.peers import describe_comm_failure, gather_peers, is_comm_failure, lost_peers, stopped_peers
 
 log = logging.getLogger(__name__)
@@ -128,15 +129,7 @@ def init_distributed(timeout_s: float = 1800.0) -> None:
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     deepspeed = _cpu_friendly_deepspeed()
     deepspeed.init_distributed(timeout=datetime.timedelta(seconds=timeout_s))
-    _COMM_TIMEOUT_S[0] = float(timeout_s)
-
-
-_COMM_TIMEOUT_S = [None]  # init_distributed's timeout: torch's new groups default to 30 min, not to the world's
-
-
-def _new_group_timeout():
-    import datetime
-    return None if _COMM_TIMEOUT_S[0] is None else datetime.timedelta(seconds=_COMM_TIMEOUT_S[0])
+    set_comm_timeout(timeout_s)  # for the groups ds_xc creates (torch would give them 30 minutes)
 
 
 def _base_lr(raw: dict, optimizer) -> Optional[float]:
@@ -506,7 +499,7 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
         schedule, reducer = build_overlap(engine, head, xc_config.extreme_classification.overlap, compression)
     flag_group = None
     if dist.get_world_size() > 1:  # a group of its own: the verdict does not queue behind gradient buckets
-        flag_group = dist.new_group(backend="gloo", timeout=_new_group_timeout())
+        flag_group = new_group(backend="gloo")
     peers = gather_peers()
     log.info("ds_xc: engine ready (ZeRO stage %d, bf16=%s), head shard %s", engine.zero_optimization_stage(),
              engine.bfloat16_enabled(), head.extra_repr())
