@@ -20,8 +20,6 @@ import logging
 import os
 import random
 import shutil
-import socket
-import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -32,16 +30,39 @@ from ds_xc import config as cfg
 from ds_xc.checkpoint import (CheckpointError, apply_head_state, atomic_save, fsync_tree, load_file, publish_tag,
                               read_head_state, resolve_tag, save_head_state)
 from ds_xc.head import ClassParallelHead, build_head_optimizer
+from ds_xc.manifest import raise_if_disk_full, verify_manifest_all_ranks, write_manifest_all_ranks
 from ds_xc.parallel.agree import agree, all_or_none
-from ds_xc.parallel.groups import group_size
+from ds_xc.parallel.groups import group_size, new_group, set_comm_timeout
+from ds_xc.peers import describe_comm_failure, gather_peers, is_comm_failure, lost_peers, stopped_peers
 
 log = logging.getLogger(__name__)
 
 __all__ = ["initialize", "init_distributed", "XCEngine", "check_supported", "load_raw_config", "gather_peers",
-           "lost_peers", "describe_comm_failure", "is_comm_failure"]
+           "lost_peers", "stopped_peers", "describe_comm_failure", "is_comm_failure", "PHASES"]
 
 RNG_DIR = "ds_xc_rng"
 STAGING_PREFIX = ".staging_"
+# what XCEngine.phase can name: the part of a step a rank is in, for the message of a failed collective
+PHASES = ("setup", "forward", "backward", "gradient reduction", "optimizer step", "checkpoint save",
+          "checkpoint load", "index rebuild", "evaluation", "overlapped forward-backward")
+
+
+class _Phase:
+    """``with xc.in_phase(name):`` sets ``xc.phase`` for the block; an exception leaves it set (the
+    failure handler reads it), a normal exit restores the enclosing phase. Two attribute writes."""
+
+    __slots__ = ("xc", "name", "prev")
+
+    def __init__(self, xc, name: str):
+        self.xc, self.name = xc, name
+
+    def __enter__(self):
+        self.prev, self.xc.phase = self.xc.phase, self.name
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            self.xc.phase = self.prev
+        return False
 
 
 def load_raw_config(config=None, args=None) -> dict:
@@ -52,24 +73,36 @@ def load_raw_config(config=None, args=None) -> dict:
     return cfg._load(source)
 
 
+def _raw_section(raw: dict, name: str) -> dict:
+    """``raw[name]`` as a dict ({} when absent or null); anything else is refused naming the section."""
+    value = raw.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise cfg.ConfigError(f"{name}: expected a JSON object (dict), got {type(value).__name__} {value!r}")
+    return value
+
+
 def check_supported(raw: dict) -> None:
     """Refuse, at start, combinations the head cannot train correctly."""
-    if raw.get("fp16", {}).get("enabled", False):
+    for name in ("fp16", "bf16", "zero_optimization", cfg.COMPRESSION_SECTION, cfg.HEAD_SECTION):
+        _raw_section(raw, name)  # DeepSpeed's own sections too: not an object is refused here, by name
+    if _raw_section(raw, "fp16").get("enabled", False):
         raise cfg.ConfigError("fp16.enabled=true: fp16 loss scaling would scale the head's gradients; "
                               "use bf16.enabled=true (or fp32) with ds_xc")
-    stage = raw.get("zero_optimization", {}).get("stage", 0)
-    if stage not in (0, 1, 2):
+    stage = _raw_section(raw, "zero_optimization").get("stage", 0)
+    if type(stage) is not int or stage not in (0, 1, 2):
         raise cfg.ConfigError(f"zero_optimization.stage={stage!r}: ds_xc supports ZeRO stages 0, 1 and 2 "
                               "for the backbone")
-    method = (raw.get(cfg.COMPRESSION_SECTION) or {}).get("method", "bayes_prior")
+    method = _raw_section(raw, cfg.COMPRESSION_SECTION).get("method", "bayes_prior")
     if cfg.COMPRESSION_SECTION in raw and method != "none":  # refused before an engine is built
         from ds_xc.compression.deepspeed import check_zero_stage
         check_zero_stage(stage, method)
-    overlap = (raw.get(cfg.HEAD_SECTION) or {}).get("overlap")
+    overlap = _raw_section(raw, cfg.HEAD_SECTION).get("overlap")
     if overlap:
         from ds_xc.overlap.run import check_overlap
         check_overlap(cfg.validate_section(cfg.OverlapConfig, overlap, f"{cfg.HEAD_SECTION}.overlap"), int(stage),
-                      bool(raw.get("bf16", {}).get("enabled", False)))
+                      bool(_raw_section(raw, "bf16").get("enabled", False)))
     if cfg.HEAD_SECTION not in raw:
         raise cfg.ConfigError(f"the DeepSpeed config has no '{cfg.HEAD_SECTION}' section; add one with at "
                               "least num_classes and embedding_dim")
@@ -98,6 +131,7 @@ def init_distributed(timeout_s: float = 1800.0) -> None:
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     deepspeed = _cpu_friendly_deepspeed()
     deepspeed.init_distributed(timeout=datetime.timedelta(seconds=timeout_s))
+    set_comm_timeout(timeout_s)  # for the groups ds_xc creates (torch would give them 30 minutes)
 
 
 def _base_lr(raw: dict, optimizer) -> Optional[float]:
@@ -128,9 +162,19 @@ class XCEngine:
     peers: list = field(default_factory=list)  # [(hostname, pid)] per world rank, to name a lost peer
     skipped_steps: int = 0  # optimizer steps skipped for NaN/Inf (extreme_classification.nonfinite="skip")
     _window_bad: bool = False  # a micro-step of the current accumulation window had a non-finite loss
+    phase: str = "setup"  # the part of the step this rank is in (one of PHASES), named when a collective fails
+
+    def in_phase(self, name: str) -> _Phase:
+        """A context manager marking a part of the step (see PHASES), e.g. ``with xc.in_phase("evaluation"):``."""
+        return _Phase(self, name)
+
+    def where(self) -> str:
+        """'during <phase> at global step N' (N: optimizer steps completed), for error messages."""
+        return f"during {self.phase} at global step {self.global_steps}"
 
     def __call__(self, inputs, labels, batch_sizes=None) -> torch.Tensor:
-        return self.head(self.engine(inputs), labels, batch_sizes)
+        with self.in_phase("forward"):
+            return self.head(self.engine(inputs), labels, batch_sizes)
 
     def backward(self, loss: torch.Tensor) -> None:
         """engine.backward(loss), unless the loss is NaN/Inf: then no backward runs and the step is skipped.
@@ -138,7 +182,8 @@ class XCEngine:
         The loss is the global-batch mean, the same value on every rank, so every rank takes this
         decision alike without communicating (and nobody waits in DeepSpeed's gradient all-reduce)."""
         if self._loss_is_finite(loss):
-            self.engine.backward(loss)
+            with self.in_phase("backward"):
+                self.engine.backward(loss)
 
     def _loss_is_finite(self, loss: torch.Tensor) -> bool:
         if bool(torch.isfinite(loss.detach()).all()):
@@ -163,7 +208,8 @@ class XCEngine:
             self.backward(loss)
             return loss.detach()
         from ds_xc.overlap.run import overlapped_micro_step
-        loss = overlapped_micro_step(self, inputs, labels, batch_sizes)
+        with self.in_phase("overlapped forward-backward"):
+            loss = overlapped_micro_step(self, inputs, labels, batch_sizes)
         self._loss_is_finite(loss)  # the chunks' backward may have run already: step() skips the update
         return loss
 
@@ -182,6 +228,10 @@ class XCEngine:
         runs while the backbone's gradient buckets are still on the wire; then the buckets
         are waited for and the engine steps.
         """
+        with self.in_phase("optimizer step"):
+            self._step()
+
+    def _step(self) -> None:
         boundary = self.engine.is_gradient_accumulation_boundary()
         if boundary and self._step_is_bad():
             self._skip_step()
@@ -195,7 +245,8 @@ class XCEngine:
             self.head_optimizer.step()
             self.head_optimizer.zero_grad(set_to_none=True)
             if self.grad_reducer is not None:
-                self.grad_reducer.finish()
+                with self.in_phase("gradient reduction"):
+                    self.grad_reducer.finish()
         self.engine.step()
         if self.schedule is not None:
             from ds_xc.overlap.run import end_micro_step
@@ -298,6 +349,15 @@ class XCEngine:
         each of their own steps (a rank that cannot write its files makes every rank raise;
         nothing is published and ``latest`` keeps naming the previous checkpoint).
         """
+        with self.in_phase("checkpoint save"):
+            try:
+                return self._save_checkpoint(save_dir, tag, client_state)
+            except Exception as exc:
+                if not is_comm_failure(exc):
+                    raise_if_disk_full(exc, save_dir)  # torch.save says "unexpected pos", not ENOSPC
+                raise
+
+    def _save_checkpoint(self, save_dir: str, tag: Optional[str], client_state: Optional[dict]) -> str:
         group = self.flag_group
         with all_or_none("save_checkpoint (checking the tag)", group):
             tag = str(tag or f"global_step{self.global_steps}")
@@ -324,6 +384,7 @@ class XCEngine:
         state["ds_xc"] = {"num_classes": self.head.num_classes, "world_size": self.head.world_size,
                           "skipped_steps": self.skipped_steps}
         self.engine.save_checkpoint(save_dir, tag=STAGING_PREFIX + tag, client_state=state, save_latest=False)
+        write_manifest_all_ranks(staging, group)
         with all_or_none(f"save_checkpoint: publishing {os.path.join(save_dir, tag)!r} (rank 0)", group):
             if rank0:
                 fsync_tree(staging)
@@ -340,6 +401,10 @@ class XCEngine:
         rank), then every rank reads and checks all of its files (head shard, residuals, RNG
         state, DeepSpeed's files present and readable) and the ranks agree that all succeeded;
         a file missing or damaged on one rank raises on every rank and nothing is loaded."""
+        with self.in_phase("checkpoint load"):
+            return self._load_checkpoint(load_dir, tag)
+
+    def _load_checkpoint(self, load_dir: str, tag: Optional[str]) -> Optional[dict]:
         group = self.flag_group
         with all_or_none(f"load_checkpoint: reading {os.path.join(load_dir, 'latest')!r}", group):
             if tag is None:
@@ -356,6 +421,7 @@ class XCEngine:
             if _world()[0] == 0 and not os.path.isdir(tag_dir):
                 with contextlib.suppress(FileNotFoundError):
                     resolve_tag(load_dir, str(tag))  # puts back a tag whose re-save was killed between renames
+        verify_manifest_all_ranks(tag_dir, group)  # a truncated or bit-flipped file: refused on every rank
         with all_or_none(f"load_checkpoint: reading {tag_dir!r}", group):  # refuse before anything loads
             head_state, comp_state, rng = self._read_checkpoint(tag_dir)
         path, client_state = self.engine.load_checkpoint(load_dir, tag=tag)
@@ -480,73 +546,6 @@ def _check_engine_files(tag_dir: str, engine) -> None:
                                   f"{exc}") from None
 
 
-# ---------------------------------------------------------------------- lost peers
-def gather_peers() -> list:
-    """[(hostname, pid)] of every world rank (one all_gather_object), to name a peer that dies."""
-    me = (socket.gethostname(), os.getpid())
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [me]
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, me)
-    return out
-
-
-def _process_gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:  # a killed child stays a zombie until its parent reaps it
-            return fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-    except OSError:
-        try:
-            os.kill(pid, 0)
-            return False
-        except ProcessLookupError:
-            return True
-        except OSError:
-            return False
-
-
-_EXIT_GRACE_S = 3.0  # how long a failed collective waits for a dying peer to show as gone
-
-
-def lost_peers(peers: list) -> list:
-    """World ranks on this host whose process is gone (ranks on other hosts cannot be checked)."""
-    host = socket.gethostname()
-    return [r for r, (h, pid) in enumerate(peers) if h == host and pid != os.getpid() and _process_gone(pid)]
-
-
-def is_comm_failure(exc: BaseException) -> bool:
-    """True for the errors a collective raises when a peer died or did not answer in time."""
-    if isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(k in text for k in (
-        "gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout", "broken pipe",
-        "peer", "socket"))
-
-
-def describe_comm_failure(exc: BaseException, peers: Optional[list] = None, timeout_s: Optional[float] = None) -> str:
-    """One line for a failed collective: this rank, the peers found dead, and the original error."""
-    rank, world = _world()
-    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-    gone = []
-    deadline = time.monotonic() + _EXIT_GRACE_S
-    while peers:  # a killed peer's sockets close before it becomes a zombie: give its exit a moment
-        gone = lost_peers(peers)
-        if gone or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    if gone:
-        who = ", ".join(f"rank {r} (pid {peers[r][1]} on {peers[r][0]})" for r in gone)
-        cause = f"peer process gone: {who}"
-    else:
-        cause = ("a peer rank is gone or stuck" + (f" for more than {timeout_s:g} s" if timeout_s else "")
-                 + " (no dead rank found on this host" + (f"; ranks on other hosts: "
-                 f"{[r for r, (h, _) in enumerate(peers) if h != socket.gethostname()]}" if peers else "") + ")")
-    return f"rank {rank} of {world}: a collective failed; {cause}. Error: {type(exc).__name__}: {first}"
-
-
 def _agreed_config(raw: dict, head_group) -> cfg.XCConfig:
     """Validate the config on every rank, check that every rank has the same one, and that each
     rank of ``head_group`` gets at least one class; all before ``deepspeed.initialize`` runs.
@@ -601,10 +600,25 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
         schedule, reducer = build_overlap(engine, head, xc_config.extreme_classification.overlap, compression)
     flag_group = None
     if dist.get_world_size() > 1:  # a group of its own: the verdict does not queue behind gradient buckets
-        flag_group = dist.new_group(backend="gloo")
+        flag_group = new_group(backend="gloo")
     peers = gather_peers()
     log.info("ds_xc: engine ready (ZeRO stage %d, bf16=%s), head shard %s", engine.zero_optimization_stage(),
              engine.bfloat16_enabled(), head.extra_repr())
-    return XCEngine(engine=engine, head=head, head_optimizer=head_optimizer, config=xc_config,
-                    lr_scheduler=scheduler, base_lr=base_lr, compression=compression, schedule=schedule,
-                    grad_reducer=reducer, flag_group=flag_group, peers=peers)
+    xc = XCEngine(engine=engine, head=head, head_optimizer=head_optimizer, config=xc_config,
+                  lr_scheduler=scheduler, base_lr=base_lr, compression=compression, schedule=schedule,
+                  grad_reducer=reducer, flag_group=flag_group, peers=peers)
+    _mark_phase(xc, engine, "allreduce_gradients", "gradient reduction")  # DeepSpeed's, inside engine.backward
+    _mark_phase(xc, head.sampler, "rebuild", "index rebuild")  # ANN index / kNN graph, inside the forward
+    return xc
+
+
+def _mark_phase(xc: XCEngine, obj, method: str, phase: str) -> None:
+    """Wrap ``obj.method`` (this instance only) in ``xc.in_phase(phase)``; a no-op when it has no such method."""
+    inner = getattr(obj, method, None)
+    if inner is None:
+        return
+
+    def marked(*args, **kwargs):
+        with xc.in_phase(phase):
+            return inner(*args, **kwargs)
+    setattr(obj, method, marked)

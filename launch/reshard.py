@@ -40,6 +40,7 @@ from ds_xc.checkpoint import (HEAD_DIR, CheckpointError, ShardRows, atomic_save,
                               read_meta, refuse_under_launcher, resolve_tag, shard_file, write_meta)
 from ds_xc.compression.checkpoint import COMPRESSION_DIR, compression_file  # noqa: E402
 from ds_xc.head.partition import shard_range  # noqa: E402
+from ds_xc.manifest import check_files, hash_files, list_files, read_manifest, write_manifest  # noqa: E402
 
 MODEL_STATES = re.compile(r"^(layer_\d+-)?mp_rank_\d+_model_states\.pt$")
 ZERO_STATES = re.compile(r"zero_pp_rank_\d+.*optim_states\.pt$")
@@ -196,6 +197,10 @@ def reshard(load_dir: str, out_dir: str, world_size: int, tag=None) -> dict:
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise ReshardError(f"--out_dir {out_dir!r} exists and is not empty; give a new folder")
     src_tag = os.path.join(load_dir, tag)
+    files = read_manifest(src_tag)  # checksums of the input (None: written before ds_xc had them)
+    problems = check_files(src_tag, files, sorted(files)) if files is not None else []
+    if problems:
+        raise CheckpointError(f"checkpoint {src_tag!r} fails its checksums: " + "; ".join(problems))
     old_world = read_meta(src_tag)["world_size"]
     os.makedirs(out_dir, exist_ok=True)
     staging = os.path.join(out_dir, f".reshard_tmp_{tag}")
@@ -204,6 +209,7 @@ def reshard(load_dir: str, out_dir: str, world_size: int, tag=None) -> dict:
         notes = reshard_head(src_tag, staging, world_size)
         notes += reset_compression(src_tag, staging, old_world, world_size)
         notes += copy_engine_files(src_tag, staging, old_world, world_size)
+        write_manifest(staging, hash_files(staging, list_files(staging)))  # checksums of the new files
         for name in sorted(os.listdir(load_dir)):  # DeepSpeed's helper scripts (zero_to_fp32.py ...)
             path = os.path.join(load_dir, name)
             if name != "latest" and os.path.isfile(path):

@@ -29,7 +29,7 @@ from ds_xc.parallel.agree import all_or_none  # noqa: E402
 from ds_xc.models import build_backbone  # noqa: E402
 
 EXIT_PEER_LOST = 3  # exit status of a rank whose peer died or stopped answering
-_PEERS: dict = {}  # (hostname, pid) of every rank, once the engine is up: names a lost peer
+_PEERS: dict = {}  # once the engine is up: "peers" (hostname, pid) of every rank, names a lost peer; "xc" the engine
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.json")
 
 
@@ -102,11 +102,16 @@ def main(argv=None) -> dict:
     try:
         return _train(args, raw, xcfg, rank, world)
     except Exception as exc:
-        if world == 1 or not is_comm_failure(exc):
+        if world == 1:
+            raise
+        xc = _PEERS.get("xc")
+        where = xc.where() if xc is not None else "during setup"
+        if not is_comm_failure(exc):  # this rank's own error (e.g. a full disk): name it, then raise
+            print(f"ds_xc: rank {rank} of {world}: {type(exc).__name__} {where}: {exc}", file=sys.stderr, flush=True)
             raise
         # a peer died or hangs: say so on every surviving rank (rank 0 may be the one gone), and
         # leave at once: destroying the process group would wait for the lost peer
-        print(f"ds_xc: {describe_comm_failure(exc, _PEERS.get('peers'), tcfg.comm_timeout_s)}; the last "
+        print(f"ds_xc: {describe_comm_failure(exc, _PEERS.get('peers'), tcfg.comm_timeout_s, where)}; the last "
               f"checkpoint in {args.save_dir or '(no --save_dir)'} is intact; exiting", file=sys.stderr, flush=True)
         os._exit(EXIT_PEER_LOST)
 
@@ -130,7 +135,7 @@ def _train(args, raw: dict, xcfg, rank: int, world: int) -> dict:
     torch.manual_seed(tcfg.seed)
     backbone = build_backbone(data, hcfg.embedding_dim, hidden_dim=tcfg.hidden_dim)
     xc = ds_xc.initialize(model=backbone, config=raw)
-    _PEERS["peers"] = xc.peers
+    _PEERS.update(peers=xc.peers, xc=xc)
     micro, gas = xc.engine.train_micro_batch_size_per_gpu(), xc.engine.gradient_accumulation_steps()
     cast = torch.bfloat16 if xc.engine.bfloat16_enabled() and data.input_kind in ("dense", "image") else None
 
@@ -148,8 +153,9 @@ def _train(args, raw: dict, xcfg, rank: int, world: int) -> dict:
     def evaluate() -> dict:
         xc.eval()
         embed = (lambda x: xc.engine(x.to(cast))) if cast else xc.engine
-        res = evaluate_topk(embed, xc.head, data.eval_batches(micro, rank, world, tcfg.eval_samples),
-                            device=xc.engine.device)
+        with xc.in_phase("evaluation"):
+            res = evaluate_topk(embed, xc.head, data.eval_batches(micro, rank, world, tcfg.eval_samples),
+                                device=xc.engine.device)
         xc.train()
         return res
 

@@ -252,3 +252,63 @@ def test_the_fuzzer_covers_every_field():
 def test_a_config_that_is_not_an_object_is_rejected(raw, match):
     with pytest.raises(cfg.ConfigError, match=match):
         ds_xc.parse_config(raw)
+
+
+# ---------------------------------------------------------------------- sections across the config
+_JUNK_SECTION = st.one_of(st.just(5), junk_text, st.just([1]), st.just(2.5))
+METHODS = list(typing.get_args(GradientCompressionConfig.model_fields["method"].annotation))
+
+
+def _maybe(data, name, strategy):
+    return data.draw(st.one_of(st.just(("absent", None)), strategy.map(lambda v: (name, v))))
+
+
+@fuzz(300)
+@given(st.data())
+def test_cross_section_rules_are_checked_at_start_naming_the_keys(data):
+    """``check_supported`` + ``parse_config`` (what ds_xc.initialize runs before building anything) on
+    drawn fp16 / bf16 / zero_optimization / gradient_compression / overlap settings: a config that
+    breaks a rule raises ConfigError naming one of the broken keys; one that breaks none passes."""
+    from ds_xc.engine import check_supported
+    raw, broken = {}, []
+    for name in ("fp16", "bf16"):
+        how = data.draw(st.sampled_from(["absent", "off", "on", "junk"]))
+        if how != "absent":
+            raw[name] = data.draw(_JUNK_SECTION) if how == "junk" else {"enabled": how == "on"}
+        if how == "junk":
+            broken.append(name)
+    if raw.get("fp16") == {"enabled": True}:
+        broken.append("fp16.enabled")
+    stage = data.draw(st.one_of(st.sampled_from([0, 1, 2, 3, None, True, 1.0, "x_a"]), st.just("absent")))
+    if stage != "absent":
+        raw["zero_optimization"] = {"stage": stage} if data.draw(st.booleans()) else data.draw(_JUNK_SECTION)
+        if not isinstance(raw["zero_optimization"], dict):
+            broken.append("zero_optimization")
+        elif type(stage) is not int or stage not in (0, 1, 2):
+            broken.append("zero_optimization.stage")
+    zstage = stage if type(stage) is int else 0
+    if data.draw(st.booleans()):
+        method = data.draw(st.sampled_from(METHODS))
+        raw[cfg.COMPRESSION_SECTION] = {"method": method}
+        if method != "none" and zstage != 0:
+            broken.append("zero_optimization.stage")
+    head = {"num_classes": 100, "embedding_dim": 8}
+    if data.draw(st.booleans()):
+        ov = {k: data.draw(st.booleans()) for k in ("enabled", "chunk_backbone", "overlap_grad_reduce")}
+        head["overlap"] = ov
+        bf16 = isinstance(raw.get("bf16"), dict) and raw["bf16"]["enabled"]
+        for key in ("chunk_backbone", "overlap_grad_reduce"):
+            if ov["enabled"] and ov[key] and (zstage != 0 or bf16):
+                broken.append(f"{cfg.HEAD_SECTION}.overlap.{key}")
+    how = data.draw(st.sampled_from(["present", "present", "absent", "junk"]))
+    if how != "absent":
+        raw[cfg.HEAD_SECTION] = head if how == "present" else data.draw(_JUNK_SECTION)
+    broken += [cfg.HEAD_SECTION] if how != "present" else []
+    try:
+        check_supported(raw)
+        ds_xc.parse_config(raw)
+    except Exception as exc:  # noqa: BLE001 - the test is that it is a ConfigError
+        assert isinstance(exc, cfg.ConfigError), f"{type(exc).__name__}: {exc} for {raw}"
+        assert broken and any(key in str(exc) for key in broken), f"{exc} names none of {broken} ({raw})"
+    else:
+        assert not broken, f"accepted {raw} although {broken} break the rules"

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ds_xc.overlap.timeline import wait_work
 from ds_xc.parallel.collectives import gather_flat, reduce_scatter_flat
-from ds_xc.parallel.groups import group_rank, group_size, is_distributed
+from ds_xc.parallel.groups import group_rank, group_size, is_distributed, new_group
 
 __all__ = ["BLOCK", "WireCounter", "sparse_allgather_mean", "start_sparse_allgather_mean", "PendingSparseMean", "values_allreduce_mean", "dense_allreduce_mean_",
            "NodeGroups", "build_node_groups", "reduce_scatter_sum", "all_gather_slices", "DTYPES"]
@@ -208,11 +208,11 @@ def build_node_groups(ranks_per_node: int, group=None) -> NodeGroups:
     num_nodes = world // ranks_per_node
     intra = inter = None
     for node in range(num_nodes):  # every rank creates every group, in the same order
-        g = dist.new_group(members[node * ranks_per_node: (node + 1) * ranks_per_node])
+        g = new_group(members[node * ranks_per_node: (node + 1) * ranks_per_node])
         if rank // ranks_per_node == node:
             intra = g
     for local in range(ranks_per_node):
-        g = dist.new_group(members[local::ranks_per_node])
+        g = new_group(members[local::ranks_per_node])
         if rank % ranks_per_node == local:
             inter = g
     return NodeGroups(intra=intra, inter=inter, local_rank=rank % ranks_per_node,

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from ds_xc.head.softmax import finish_weight_grad, fused_loss_and_grads, inverse_row_norms
 from ds_xc.overlap.comm import PendingGather, PendingReduceScatter, split_sizes
 from ds_xc.overlap.timeline import Timeline
-from ds_xc.parallel.groups import is_distributed
+from ds_xc.parallel.groups import is_distributed, new_group
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def side_group(group=None):
     if not is_distributed(group):
         return None
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    return dist.new_group(ranks=ranks, backend=dist.get_backend(group))
+    return new_group(ranks=ranks, backend=dist.get_backend(group))  # with the world's timeout
 
 
 def _default_backward(index: int, embeddings: torch.Tensor, grad: torch.Tensor, last: bool) -> None:

@@ -30,3 +30,22 @@ def group_rank(group: ProcessGroup = None) -> int:
     if not (dist.is_available() and dist.is_initialized()):
         return 0
     return dist.get_rank(group)
+
+
+_COMM_TIMEOUT_S: list = [None]  # set by ds_xc.init_distributed (or set_comm_timeout); None: torch's default
+
+
+def set_comm_timeout(seconds: Optional[float]) -> None:
+    """The timeout of the process groups ds_xc creates (:func:`new_group`): the world's, normally.
+
+    torch gives a new group its own default (30 minutes for gloo), not the timeout the world
+    group was started with, so a stopped peer would hold a collective on it that long.
+    ``ds_xc.engine.init_distributed`` calls this; call it yourself if you start torch.distributed."""
+    _COMM_TIMEOUT_S[0] = None if seconds is None else float(seconds)
+
+
+def new_group(ranks=None, backend=None):
+    """``dist.new_group`` with the timeout of :func:`set_comm_timeout` (collective: every rank calls it)."""
+    import datetime
+    timeout = None if _COMM_TIMEOUT_S[0] is None else datetime.timedelta(seconds=_COMM_TIMEOUT_S[0])
+    return dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
