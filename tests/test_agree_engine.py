@@ -136,20 +136,27 @@ def _ckpt_cases(rank, world, folder):
     tag_dir = os.path.join(folder, "step2")
     damages = {"compression": compression_file(tag_dir, 1, world), "head": shard_file(tag_dir, 1, world),
                "deepspeed": os.path.join(tag_dir, "mp_rank_00_model_states.pt")}
-    for name, path in damages.items():
-        keep = path + ".keep"
+    manifest = os.path.join(tag_dir, "ds_xc_manifest.json")
+    for checked in (True, False):  # with the checksum manifest, and without (an older checkpoint)
+        if not checked and rank == 0:
+            os.replace(manifest, manifest + ".keep")
+        for name, path in damages.items():
+            keep = path + ".keep"
+            dist.barrier()
+            if rank == 1:
+                os.replace(path, keep)
+                if name != "head":  # head: missing; the others: cut in half
+                    with open(keep, "rb") as src, open(path, "wb") as dst:
+                        dst.write(src.read()[: os.path.getsize(keep) // 2])
+            dist.barrier()
+            out[(name, checked)] = _catch(lambda: xc.load_checkpoint(folder))
+            _same(before, _everything(xc))
+            dist.barrier()
+            if rank == 1:
+                os.replace(keep, path)
         dist.barrier()
-        if rank == 1:
-            os.replace(path, keep)
-            if name != "head":  # head: missing; the others: cut in half
-                with open(keep, "rb") as src, open(path, "wb") as dst:
-                    dst.write(src.read()[: os.path.getsize(keep) // 2])
-        dist.barrier()
-        out[name] = _catch(lambda: xc.load_checkpoint(folder))
-        _same(before, _everything(xc))
-        dist.barrier()
-        if rank == 1:
-            os.replace(keep, path)
+        if not checked and rank == 0:
+            os.replace(manifest + ".keep", manifest)
     dist.barrier()
     out["other_tag"] = _catch(lambda: xc.load_checkpoint(folder, tag="step2" if rank else "step9"))
     _same(before, _everything(xc))
@@ -171,14 +178,17 @@ def test_checkpoint_disagreement_and_damage_raise_everywhere_and_change_nothing(
         assert kind == "OSError" and "No space left on device (injected on rank 1)" in msg
         assert ("writing the head shards, residuals and RNG states" in msg) == (rank == 0)
         assert r["latest"] == "step2" and r["published"] == ["latest", "step2"]
-        kind, msg = r["compression"]
+        for key in ("compression", "head", "deepspeed"):  # the manifest names the damaged file first
+            kind, msg = r[(key, True)]
+            assert kind == "CheckpointError" and "fails its checksums" in msg and paths[key] in msg, (key, msg)
+        kind, msg = r[("compression", False)]
         assert kind == "CheckpointError" and f"cannot read compression state file {paths['compression']!r}" in msg
-        kind, msg = r["head"]
+        kind, msg = r[("head", False)]
         assert kind == "FileNotFoundError" and f"head shard {paths['head']!r} is missing" in msg
-        kind, msg = r["deepspeed"]
+        kind, msg = r[("deepspeed", False)]
         assert kind == "CheckpointError" and f"DeepSpeed checkpoint file {paths['deepspeed']!r}" in msg
         for key in ("compression", "head"):  # rank 1's own files: rank 0 names rank 1
-            assert ("failed on rank(s) [1]" in r[key][1]) == (rank == 0), (key, r[key])
+            assert ("failed on rank(s) [1]" in r[(key, False)][1]) == (rank == 0), (key, r[(key, False)])
         kind, msg = r["other_tag"]
         assert kind == "DisagreementError" and "'step9')" in msg and "'step2')" in msg
         assert r["resumed"]
