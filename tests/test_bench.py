@@ -41,8 +41,8 @@ def test_head_case_step_time_is_the_best_of_steps_3_to_5(monkeypatch):
     """step_s against the clock: with a scripted clock it is exactly the smallest of the last three
     step durations (not the warm-up steps, not the mean); with the real clock three timed steps fit
     in the wall time of the whole call, so step_s <= wall / 3."""
-    import types
     import time
+    import types
     durations = [1.0, 4.0, 3.0, 7.0, 5.0]  # min of all: 1 (warm-up), mean of steps 3-5: 5, best of 3-5: 3
     ticks = iter([v for i, d in enumerate(durations) for v in (10.0 * i, 10.0 * i + d)])
     monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))

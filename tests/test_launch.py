@@ -51,6 +51,7 @@ def _dense_topk(cfg_path, tag_dir, samples):
     data set's held-out batches, float64 cosine scores against all classes, torch.topk."""
     import torch
     import torch.nn.functional as F
+
     import ds_xc
     from ds_xc.data import build_dataset
     from ds_xc.engine import load_raw_config
@@ -81,7 +82,8 @@ def test_one_rank_trains_and_reports(tmp_path):
     out = _launch(["--deepspeed_config", cfg, "--save_dir", save, "--summary_json", summary])
     steps, top1, top5, n = _summary(out)
     assert steps == 6 and n == 256
-    report = json.loads(open(summary).read())
+    with open(summary) as fh:
+        report = json.load(fh)
     ref1, ref5, ref_n = _dense_topk(cfg, os.path.join(save, "step6"), 256)
     assert ref_n == n and abs(top1 - report["top1"]) < 1e-4 and abs(top5 - report["top5"]) < 1e-4
     # float32 scores in the run, float64 here: allow one sample whose top-5 boundary is a near tie
