@@ -3,7 +3,7 @@
 Why the head lives outside the engine: ``deepspeed.initialize`` broadcasts rank 0's
 parameters to every rank and the engine averages every gradient over the data-parallel
 group; ZeRO 1/2 even flattens and partitions parameters, mixing rank-distinct shards at
-lr=0 (see shared/docs/DEEPSPEED_CPU.md). A class shard is different on every rank and
+lr=0 (see docs/deepspeed_cpu.md). A class shard is different on every rank and
 must only ever see its own gradient. So the engine gets the backbone alone, and the head
 gets its own optimizer, stepped at the engine's gradient-accumulation boundaries.
 

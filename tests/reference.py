@@ -1,4 +1,4 @@
-"""Dense, single-process float64 references: the formulas of DESIGN.md written plainly,
+"""Dense, single-process float64 references: the formulas of docs/design.md written plainly,
 differentiated by autograd. Everything the head computes is checked against these."""
 from __future__ import annotations
 

@@ -1,12 +1,26 @@
-"""The README's 30-second example runs as written (with fewer classes, to stay quick)."""
+"""The README's 30-second example runs as written (with fewer classes, to stay quick), and its
+first loss is the sampled ArcFace loss of tests/reference.py over the active classes it drew."""
 import os
 import re
 import subprocess
 import sys
 
 import pytest
+import torch
+
+from tests.reference import per_row_loss
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOSS_LINE = "    loss = xc(x, y)"
+# after the first forward, before any update: the inputs of the loss, for an independent recomputation
+PROBE = """
+    if step == 0:
+        with torch.no_grad():
+            emb = xc.engine.module(x)
+        torch.save({"loss": float(loss), "emb": emb, "weight": xc.head.weight.detach().clone(),
+                    "index": xc.head.last_active.index, "targets": xc.head.last_active.targets,
+                    "labels": y, "loss_cfg": config["extreme_classification"]["loss"]}, "first_step.pt")
+"""
 
 
 @pytest.mark.slow
@@ -14,6 +28,9 @@ def test_readme_example_runs(tmp_path):
     with open(os.path.join(ROOT, "README.md")) as fh:
         code = re.findall(r"```python\n(.*?)```", fh.read(), re.S)[0]
     assert "ds_xc.initialize" in code and "1_000_000" in code
+    lines = code.split("\n")
+    at = next(i for i, line in enumerate(lines) if line.startswith(LOSS_LINE))
+    code = "\n".join(lines[: at + 1] + PROBE.strip("\n").split("\n") + lines[at + 1:])
     script = tmp_path / "example.py"
     script.write_text(code.replace("1_000_000", "20_000") + "\nprint('LOSS', float(loss))\n")
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -23,5 +40,11 @@ def test_readme_example_runs(tmp_path):
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "ckpt" / "latest").is_file()
-    loss = float(re.search(r"LOSS ([0-9.]+)", proc.stdout).group(1))
-    assert 0.0 < loss < 100.0
+    assert re.search(r"LOSS ([0-9.]+)", proc.stdout), proc.stdout[-2000:]
+    first = torch.load(tmp_path / "first_step.pt", weights_only=True)
+    index, targets = first["index"], first["targets"]  # (K,) sorted class ids, (B,) columns in [0, K)
+    assert first["weight"].shape == (20_000, 128) and index.numel() >= 2000  # 10% of the classes + positives
+    assert torch.equal(index[targets], first["labels"])  # every positive is active, at its column
+    cfg = first["loss_cfg"]
+    ref = per_row_loss(first["emb"].double(), first["weight"].double()[index], targets, cfg).mean()
+    assert first["loss"] == pytest.approx(float(ref), rel=1e-5)

@@ -19,6 +19,8 @@ import pytest
 import torch
 
 import ds_xc
+from ds_xc.head import init_shard
+from tests.reference import reference
 
 C, D, IN, B, SEED = 23, 6, 8, 4, 11
 COMPRESSION = {"method": "bayes_prior", "density": 0.3, "min_numel": 16, "stats_sync_interval": 2}
@@ -226,7 +228,9 @@ def _bad_input(rank, world, fault, faulty_rank, case):
     ("int", 0, "exact_sgd", "embeddings must be floating point, got torch.int64 on rank 0"),
 ])
 def test_bad_input_raises_on_every_rank(pools, fault, faulty, case, own):
-    res = pools(2).run(_bad_input, fault, faulty, case)
+    pool = pools(2)
+    res = pool.run(_bad_input, fault, faulty, case)
+    clean = pool.run(_clean, case, 1, 1)  # the same step on engines that never saw the bad input
     for rank, (err, after) in enumerate(res):
         assert err is not None, f"rank {rank} did not raise"
         if rank == faulty:
@@ -234,7 +238,22 @@ def test_bad_input_raises_on_every_rank(pools, fault, faulty, case, own):
         else:
             assert f"another rank reported invalid labels, embedding shape or dtype: rank(s) [{faulty}]" in err[1]
             assert f"this is rank {rank}" in err[1]
-        assert len(after) == 1 and after[0] == after[0]
+        # the refused step left nothing behind (weights, optimizer, sampler draws): bit for bit the same loss
+        assert after == clean[rank], (after, clean[rank])
+    assert res[0][1] == res[1][1]  # the global-batch mean, the same on both ranks
+    if CASES[case]["sampler"]["type"] == "full":  # exact head at its initial weights: the float64 formula
+        assert res[0][1][0] == pytest.approx(_reference_first_loss(1), rel=1e-5)
+
+
+def _reference_first_loss(batch):
+    """ArcFace loss of batch ``batch`` (both ranks) at the initial weights, float64 (tests/reference.py)."""
+    torch.manual_seed(SEED)
+    w_body = Body().lin.weight.detach().double()  # (D, IN), the engine's rank-0 init
+    xs, ys = zip(*(_batch(batch, r) for r in range(2)))
+    emb = torch.cat(xs).double() @ w_body.t()  # (2B, D)
+    w_head = init_shard(C, D, 0, C, 0.5, SEED).double()  # (C, D): every class, as the shards hold them
+    cfg = _config(**CASES["exact_sgd"])["extreme_classification"]["loss"]
+    return float(reference(emb, w_head, torch.cat(ys), cfg)[0])
 
 
 # ---------------------------------------------------------------------- NaN / Inf
@@ -252,9 +271,9 @@ def _nonfinite(rank, world, case, fault, faulty_rank, bad_step):
             "global_steps": steps_done}
 
 
-def _clean(rank, world, case, steps):
+def _clean(rank, world, case, steps, start=0):
     xc, gas = _build(rank, case)
-    return _train(xc, rank, gas, 0, steps)
+    return _train(xc, rank, gas, start, start + steps)
 
 
 @pytest.mark.parametrize("case", ["exact_sgd", "uniform_lazy_adamw_compressed_overlap"])

@@ -3,7 +3,7 @@
 Legend: B local batch rows, N = sum of B over ranks (global batch), d embedding dim,
 L = num_local classes of this rank, K active classes of this rank in a step.
 
-One step (DESIGN.md): embeddings (B, d) and labels (B,) are all-gathered to (N, d) and
+One step (docs/design.md): embeddings (B, d) and labels (B,) are all-gathered to (N, d) and
 (N,); the sampler picks this shard's active classes (K of L); the fused sharded loss
 scores the global batch against them in row chunks and returns the global-batch mean,
 identical on every rank. Backward reduce-scatters the embedding gradient, scaled so

@@ -2,7 +2,7 @@
 
 Each loss maps the target cosine ``c = <x/|x|, w_y/|w_y|>`` to the target logit and its
 derivative; non-target logits are ``scale * c`` (or ``x.w`` for plain softmax). The
-derivatives are exact derivatives of the formulas in DESIGN.md (tests compare them with
+derivatives are exact derivatives of the formulas in docs/design.md (tests compare them with
 autograd in float64). D-Softmax is not a softmax over all logits: its target enters a
 separate softplus term, flagged by ``separate_target``.
 """

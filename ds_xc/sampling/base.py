@@ -5,7 +5,7 @@ Legend: N rows of the global batch, K active classes of this shard, L = num_loca
 A sampler returns an :class:`ActiveSet`: ``index`` (K,), sorted local class ids (``None``
 means every class of the shard, with no gather), and ``targets`` (N,), each row's column
 in the active set, or -1 when its class belongs to another shard. Every positive class
-of the batch that lives on this shard is always active (DESIGN.md: exactness contract).
+of the batch that lives on this shard is always active (docs/design.md: exactness contract).
 With sample groups, ``bounds`` (G+1 row offsets) splits the global batch into G blocks of
 rows, ``index`` is a list of G sorted id tensors (one active set per group) and each
 row's target is its column in its own group's set.
