@@ -6,6 +6,9 @@ dim, K active classes of this shard.
 The local batch is split into C chunks (``torch.tensor_split`` sizes, on every rank).
 Per step:
 
+0. the head's input check runs before any collective of the step (one small all-reduce
+   that also exchanges the batch sizes; ClassParallelHead._check); in the backbone mode
+   the embeddings' finiteness is checked on the gathered rows instead;
 1. labels are all-gathered at once (small), the sampler picks the active set from them
    (samplers that look at the embeddings, ann, first wait for every chunk's gather);
 2. chunk c's embeddings are all-gathered asynchronously as soon as they exist (with
