@@ -29,7 +29,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/harness.py
-from harness import close_rank, cpu_model, git_rev, init_rank, spawn_ranks, usable_cores  # noqa: E402
+from harness import close_rank, cpu_model, git_rev, init_rank, load_average, spawn_ranks, usable_cores  # noqa: E402
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "input_check.md")
 VARIANTS = {  # name: (check_inputs, check_interval, pass batch_sizes)
@@ -107,7 +107,8 @@ def main(argv=None) -> None:
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M:%S} UTC "
         f"(wall time {time.time() - start:.0f} s)",
         f"- torch {torch.__version__}, python {platform.python_version()}, CPU: {cpu_model()}, "
-        f"{usable_cores()} cores usable; gloo on 127.0.0.1, 1 thread per rank",
+        f"{usable_cores()} cores usable, load average {load_average()} at the end (a shared machine: the "
+        "2-rank all-reduce latency is mostly the partner's scheduling); gloo on 127.0.0.1, 1 thread per rank",
         f"- head: {args.num_classes:,} classes, d={args.dim}, {args.batch} rows per rank, float32, softmax, "
         "sampler full, forward only (with autograd recording)",
         f"- {args.rounds} rounds (after 1 warm-up) of {args.calls} calls per variant, interleaved; "
