@@ -158,3 +158,22 @@ def test_topk_small_shards_and_empty_rank(pools, world, classes, sizes, k, loss)
     ref = scores.topk(min(k, classes), dim=1).indices
     assert [r.shape[0] for r in results] == list(sizes)
     assert torch.equal(torch.cat(results), ref)
+
+
+# ---------------------------------------------------------------------------- sampler metrics
+def _run_metrics(rank, world, sizes):
+    sampler = {"type": "ann", "sample_rate": 1.0, "code_bits": 32, "nlist": 2, "nprobe": 2, "top_k": 2,
+               "rerank": 0, "backend": "torch", "metrics_interval": 1}
+    head = ClassParallelHead(D, 13, loss=LOSSES["cosface"], sampler=sampler, dtype=torch.float64, init_std=0.5,
+                             seed=SEED)
+    x, y = local_batch(rank, sizes[rank], 9)
+    head(x, y % 13)
+    return head.sampler_stats()
+
+
+def test_sampler_metrics_with_shards_smaller_than_k(pools):
+    """recall@10 over 13 classes on 3 ranks (shards of 5, 4, 4 < 10) with an empty rank: every rank
+    uses k=10 (padded candidates); every class active, so recall and mass are exactly 1."""
+    stats = pools(3).run(_run_metrics, (3, 0, 2))
+    for s in stats:
+        assert s["recall_active@10"] == pytest.approx(1.0) and s["softmax_mass"] == pytest.approx(1.0), s
