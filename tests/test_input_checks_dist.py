@@ -144,3 +144,42 @@ def test_unchecked_steps_never_drop_out_of_range_labels_silently(pools, mode, ch
 def test_check_interval_is_validated():
     with pytest.raises(Exception, match="check_interval: got 0; must be >= 1"):
         _head(check_interval=0)
+
+
+# ---------------------------------------------------------------------------- through XCEngine
+def _engine_unchecked(rank, world, case):
+    """check_inputs off, batch_sizes passed: a bad label's step is skipped by XCEngine (NaN loss), nothing
+    changes, and the count is raised at the next exchange (a call without batch_sizes)."""
+    import ds_xc
+    from tests import test_reliability as rel
+    torch.manual_seed(rel.SEED)
+    body = rel.Body()
+    config = rel._config(**rel.CASES[case])
+    config["extreme_classification"]["check_inputs"] = False
+    xc = ds_xc.initialize(model=body, optimizer=torch.optim.SGD(body.parameters(), lr=0.1, momentum=0.9),
+                          config=config)
+    sizes = [rel.B] * world
+    x, y = rel._batch(0, rank)
+    xc.forward_backward(x, y, sizes)
+    xc.step()
+    before = rel._state(xc)
+    x, y = rel._batch(1, rank)
+    if rank == 1:
+        y[1] = rel.C + 5
+    loss = xc.forward_backward(x, y, sizes).item()
+    xc.step()
+    rel._assert_same(before, rel._state(xc))
+    try:
+        xc.forward_backward(*rel._batch(2, rank))
+        late = None
+    except ValueError as exc:
+        late = str(exc)
+    return {"loss": loss, "skipped": xc.stats()["skipped_steps"], "late": late}
+
+
+@pytest.mark.parametrize("case", ["exact_sgd", "uniform_lazy_adamw_compressed_overlap"])
+def test_engine_skips_an_unchecked_step_with_an_out_of_range_label(pools, case):
+    from tests.test_reliability import C as REL_C
+    for r in pools(2).run(_engine_unchecked, case):
+        assert math.isnan(r["loss"]) and r["skipped"] == 1, r
+        assert f"1 label(s) outside [0, {REL_C}) were seen" in (r["late"] or ""), r
