@@ -244,8 +244,13 @@ class HeadConfig(_Section):
     init_std: float = Field(0.01, gt=0.0, le=10.0, description="Std of the normal init of the weights.")
     seed: int = Field(0, ge=0, lt=2**63, description="Seed of the weight init (per class, independent "
                       "of the world size) and of the samplers.")
-    check_inputs: bool = Field(True, description="Check label ranges, embedding shapes and finiteness before "
-                               "the step, agreed by every rank (one small all-reduce; a host sync on GPU).")
+    check_inputs: bool = Field(True, description="Check label ranges, embedding shapes, devices and finiteness "
+                               "before the step, agreed by every rank (one small all-reduce that also exchanges "
+                               "the batch sizes; one host sync on GPU).")
+    check_interval: int = Field(1, ge=1, le=10**6, description="Run the full input check every N-th head call "
+                                "(1 = every call). Other calls only exchange the batch sizes (with a label-range "
+                                "test) when batch_sizes is not passed, and run without any sync when it is: an "
+                                "out-of-range label then makes that step's loss NaN and is raised at the next check.")
     nonfinite: Literal["skip", "raise"] = Field(
         "skip", description="NaN/Inf in the embeddings, the loss or the gradients: skip = every rank skips the "
         "optimizer step (head, backbone and their optimizer states unchanged), logs a warning and counts it "

@@ -236,7 +236,7 @@ def test_bad_input_raises_on_every_rank(pools, fault, faulty, case, own):
         if rank == faulty:
             assert own in err[1]
         else:
-            assert f"another rank reported invalid labels, embedding shape or dtype: rank(s) [{faulty}]" in err[1]
+            assert f"another rank reported invalid labels, embedding shape, dtype or device: rank(s) [{faulty}]" in err[1]
             assert f"this is rank {rank}" in err[1]
         # the refused step left nothing behind (weights, optimizer, sampler draws): bit for bit the same loss
         assert after == clean[rank], (after, clean[rank])

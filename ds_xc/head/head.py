@@ -6,10 +6,13 @@ L = num_local classes of this rank, K active classes of this rank in a step.
 One step (docs/design.md): embeddings (B, d) and labels (B,) are all-gathered to (N, d) and
 (N,); the sampler picks this shard's active classes (K of L); the fused sharded loss
 scores the global batch against them in row chunks and returns the global-batch mean,
-identical on every rank. Backward reduce-scatters the embedding gradient, scaled so
-that each rank gets the gradient of its *local* mean loss (data-parallel convention),
-while this rank's weight shard gets the gradient of the global mean. The shard is never
-averaged across ranks: keep it out of data-parallel wrappers (see ds_xc.engine).
+identical on every rank. Backward reduce-scatters the embedding gradient, scaled by P so
+that each rank gets P times the gradient of the global mean with respect to its rows
+(data-parallel averaging then yields the global mean's gradient; with equal batches this
+is the gradient of the local mean), while this rank's weight shard gets the gradient of
+the global mean. Local batches may differ in size (and be empty): the sizes travel in the
+input check's all-reduce. The shard is never averaged across ranks: keep it out of
+data-parallel wrappers (see ds_xc.engine).
 """
 from __future__ import annotations
 
@@ -22,10 +25,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ds_xc import config as cfg
+from ds_xc.head.checks import BAD_INPUT, Verdict, decide, fill_verdict, local_problem
 from ds_xc.head.margins import TargetLoss, build_loss
 from ds_xc.head.partition import shard_range
 from ds_xc.head.softmax import sharded_margin_loss
-from ds_xc.parallel.collectives import all_gather_no_grad, all_gather_rows, gather_flat
+from ds_xc.parallel.collectives import all_gather_no_grad, all_gather_rows, exchange_sizes, gather_flat
 from ds_xc.parallel.groups import group_rank, group_size, is_distributed
 from ds_xc.sampling import ActiveSet, build_sampler
 from ops.softmax_backend import SOFTMAX_BACKENDS
@@ -35,7 +39,6 @@ log = logging.getLogger(__name__)
 __all__ = ["ClassParallelHead", "init_shard"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-_BAD_INPUT, _NONFINITE = 2, 1  # per-rank input verdicts of _check (larger = worse)
 _INIT_BLOCK = 1 << 16  # rows per init block: the init of a class does not depend on the world size
 
 
@@ -72,8 +75,11 @@ class ClassParallelHead(nn.Module):
         dtype, init_std, seed: weight dtype and init; init is per class, independent of P.
         update: "dense" (dense weight gradients) or "lazy" (sparse gradient rows, for the
             lazy head optimizers; sampled heads then cost O(K*d) per step).
-        check_inputs: validate label range, shapes and finiteness on every rank before the
-            collectives (one small all-reduce, and a host sync on GPU).
+        check_inputs: validate label range, shapes, devices and finiteness on every rank before
+            the collectives (one small all-reduce, and one host sync on GPU, per checked step).
+        check_interval: run that full check every N-th call (1: every call). Unchecked calls
+            still exchange the batch sizes (with a label-range test) unless ``batch_sizes`` is
+            passed; then they run without any sync (docs/head.md, "Input checks").
         nonfinite: "raise" (the default of a head used on its own) or "skip" (NaN/Inf embeddings:
             forward returns a NaN loss without a graph on every rank, touching neither the
             weights nor the sampler; XCEngine, whose config default is "skip", then skips the step).
@@ -85,7 +91,7 @@ class ClassParallelHead(nn.Module):
                  group=None, chunk_size: int = 0, dtype: Union[str, torch.dtype] = torch.float32,
                  init_std: float = 0.01, seed: int = 0, update: str = "dense",
                  check_inputs: bool = True, nonfinite: str = "raise", device=None,
-                 softmax_backend: str = "torch"):
+                 softmax_backend: str = "torch", check_interval: int = 1):
         super().__init__()
         if isinstance(dtype, str):
             if dtype not in _DTYPES:
@@ -109,6 +115,10 @@ class ClassParallelHead(nn.Module):
                                   f"allowed: {', '.join(map(repr, SOFTMAX_BACKENDS))}")
         self.softmax_backend = softmax_backend
         self.nonfinite, self.nonfinite_inputs = nonfinite, 0  # policy; steps whose input was non-finite
+        if int(check_interval) < 1:
+            raise cfg.ConfigError(f"{cfg.HEAD_SECTION}.check_interval: got {check_interval}; must be >= 1")
+        self.check_interval, self._calls = int(check_interval), 0  # full input check every N-th call
+        self._unchecked_bad: Optional[torch.Tensor] = None  # () out-of-range labels of unchecked calls
         self.seed = int(seed)
         self.weight = nn.Parameter(init_shard(self.num_classes, self.embedding_dim, self.class_start,
                                               self.num_local, init_std, seed, dtype, device))
@@ -129,7 +139,7 @@ class ClassParallelHead(nn.Module):
         return cls(c.embedding_dim, c.num_classes, loss=c.loss, sampler=c.sampler, group=group,
                    chunk_size=c.chunk_size, dtype=c.dtype, init_std=c.init_std, seed=c.seed,
                    update=c.optimizer.update, check_inputs=c.check_inputs, nonfinite=c.nonfinite, device=device,
-                   softmax_backend=c.softmax_backend)
+                   softmax_backend=c.softmax_backend, check_interval=c.check_interval)
 
     def extra_repr(self) -> str:
         return (f"embedding_dim={self.embedding_dim}, num_classes={self.num_classes}, "
@@ -137,95 +147,93 @@ class ClassParallelHead(nn.Module):
                 f"{self.world_size}, sampler={self.sampler_config.type}, update={self.update}")
 
     # ------------------------------------------------------------------ checks
-    def _local_problem(self, embeddings: torch.Tensor, labels: torch.Tensor) -> Optional[tuple[int, Exception]]:
-        """None when this rank's input is fine, else (code, the error to raise): code _BAD_INPUT for a
-        shape, dtype or label problem, _NONFINITE for NaN/Inf embeddings."""
-        if embeddings.dim() != 2 or embeddings.shape[1] != self.embedding_dim:
-            return _BAD_INPUT, ValueError(f"embeddings must have shape (batch, {self.embedding_dim}), got "
-                                          f"{tuple(embeddings.shape)} on rank {self.rank}")
-        if not embeddings.is_floating_point():
-            return _BAD_INPUT, TypeError(f"embeddings must be floating point, got {embeddings.dtype} on rank "
-                                         f"{self.rank}")
-        if labels.shape != (embeddings.shape[0],):
-            return _BAD_INPUT, ValueError(f"labels must have shape ({embeddings.shape[0]},) to match the "
-                                          f"embeddings, got {tuple(labels.shape)} on rank {self.rank}")
-        if labels.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-            return _BAD_INPUT, TypeError(f"labels must be an integer tensor, got {labels.dtype} on rank {self.rank}")
-        if not self.check_inputs:
-            return None
-        bad_label = (labels < 0) | (labels >= self.num_classes)
-        if bool(bad_label.any()):
-            pos = int(bad_label.nonzero()[0, 0])
-            return _BAD_INPUT, ValueError(f"label {int(labels[pos])} at position {pos} on rank {self.rank} is "
-                                          f"outside [0, {self.num_classes})")
-        finite_rows = torch.isfinite(embeddings).all(dim=1)
-        if not bool(finite_rows.all()):
-            pos = int((~finite_rows).nonzero()[0, 0])
-            return _NONFINITE, FloatingPointError(f"embeddings row {pos} on rank {self.rank} contains NaN or Inf")
-        return None
+    def _check(self, embeddings: Optional[torch.Tensor], labels: torch.Tensor,
+               batch_sizes: Optional[Sequence[int]] = None, num_rows: Optional[int] = None) -> Optional[Verdict]:
+        """Validate this step's input on every rank and learn every rank's batch size.
 
-    def _check(self, embeddings: torch.Tensor, labels: torch.Tensor) -> bool:
-        """Validate this step's input on every rank; True when the step can run.
+        Returns the step's :class:`Verdict` (every rank's row count, and whether the labels of
+        this step were range-checked), or None when the step must be skipped (non-finite
+        embeddings under ``nonfinite="skip"``, agreed by every rank).
 
-        Every rank's verdict is all-reduced first (one (P,) int32 all-reduce), so all ranks
-        take the same decision and nobody is left waiting in a collective: invalid labels,
-        shapes or dtypes raise on every rank (the rank at fault names the label, position or
-        shape; the others name that rank). Non-finite embeddings raise FloatingPointError
-        under ``nonfinite="raise"``; under ``"skip"`` every rank returns False and the caller
-        skips the step. With ``check_inputs=False`` only the local shape checks run.
+        One (P, 5) int64 all-reduce carries each rank's [verdict, rows, first bad label
+        position, that label, out-of-range labels of earlier unchecked steps], followed by
+        one ``.tolist()`` (the step's only host sync of the check). It runs when a full check
+        is due (``check_inputs`` and every ``check_interval``-th call: shapes, devices, label
+        range, finiteness) or when ``batch_sizes`` is None (the sizes are needed to pad the
+        gathers; the label-range test rides along, its cost is one compare over B labels).
+        Otherwise (an unchecked step with ``batch_sizes`` given) nothing is exchanged: the
+        sizes are trusted, and out-of-range labels are caught on the gathered labels by
+        :meth:`_flag_unchecked`. Every error is raised on every rank: the rank at fault names
+        the label, position, shape or device; the others name that rank.
         """
-        problem = self._local_problem(embeddings, labels)
-        code, error = problem if problem is not None else (0, None)
-        if not self.check_inputs:
+        rows = embeddings.shape[0] if embeddings is not None and embeddings.dim() > 0 else (num_rows or 0)
+        full = self.check_inputs and self._calls % self.check_interval == 0
+        self._calls += 1
+        if batch_sizes is not None and len(batch_sizes) != self.world_size:
+            raise ValueError(f"batch_sizes has {len(batch_sizes)} entries {list(batch_sizes)}, the head's group has "
+                             f"{self.world_size} ranks (rank {self.rank})")
+        error = local_problem(self, embeddings, labels, rows)
+        if not full and batch_sizes is not None:  # trusted sizes: no collective, no sync
             if error is not None:
                 raise error
-            return True
-        codes = torch.zeros(self.world_size, dtype=torch.int32, device=embeddings.device)
-        codes[self.rank] = code
+            if int(batch_sizes[self.rank]) != rows:
+                raise ValueError(f"batch_sizes {list(batch_sizes)} gives rank {self.rank} {batch_sizes[self.rank]} "
+                                 f"rows, it passed {rows}")
+            return Verdict([int(b) for b in batch_sizes], labels_checked=False)
+        table = torch.zeros((self.world_size, 5), dtype=torch.int64, device=self.weight.device)
+        table[self.rank, 1] = rows
+        if error is not None:
+            table[self.rank, 0] = BAD_INPUT
+        else:
+            fill_verdict(self, table[self.rank], embeddings if full else None, labels)
+        if self._unchecked_bad is not None:
+            table[self.rank, 4] = self._unchecked_bad
         if is_distributed(self.group):  # every rank learns of bad input: nobody hangs in a collective
-            dist.all_reduce(codes, op=dist.ReduceOp.SUM, group=self.group)
-        codes = codes.tolist()
-        if not any(codes):
-            return True
-        if code == _BAD_INPUT:
-            raise error
-        bad = [r for r, c in enumerate(codes) if c == _BAD_INPUT]
-        if bad:
-            raise ValueError(f"another rank reported invalid labels, embedding shape or dtype: rank(s) {bad} "
-                             f"(this is rank {self.rank}, whose input is {'fine' if not code else 'non-finite'}); "
-                             "see that rank's error")
-        if self.nonfinite == "raise":
-            if code:
-                raise FloatingPointError(f"{error} ({cfg.HEAD_SECTION}.nonfinite='raise')")
-            raise FloatingPointError(f"another rank reported NaN or Inf embeddings: rank(s) "
-                                     f"{[r for r, c in enumerate(codes) if c]} (this is rank {self.rank}; "
-                                     f"{cfg.HEAD_SECTION}.nonfinite='raise')")
-        self.nonfinite_inputs += 1
-        log.warning("rank %d: %s; the step is skipped on every rank (%s.nonfinite='skip')", self.rank,
-                    error if code else f"rank(s) {[r for r, c in enumerate(codes) if c]} reported NaN or Inf "
-                    "embeddings", cfg.HEAD_SECTION)
-        return False
+            dist.all_reduce(table, op=dist.ReduceOp.SUM, group=self.group)
+        rows_of = table.tolist()  # the one host sync of the check
+        self._unchecked_bad = None
+        return decide(self, rows_of, error, batch_sizes, full)
+
+    def _flag_unchecked(self, loss: torch.Tensor, y: torch.Tensor, verdict: Verdict) -> torch.Tensor:
+        """An unchecked step (no exchange) never trains silently on out-of-range labels: they are
+        found on the gathered labels ``y`` (N,), the same on every rank, so no collective and no
+        sync is needed; the loss becomes NaN on every rank (XCEngine then skips or raises, see
+        ``nonfinite``) and the count is raised on every rank at the next check."""
+        if verdict.labels_checked or y.numel() == 0:
+            return loss
+        bad = ((y < 0) | (y >= self.num_classes)).sum()  # () on the device
+        self._unchecked_bad = bad if self._unchecked_bad is None else self._unchecked_bad + bad
+        return loss + torch.where(bad > 0, float("nan"), 0.0).to(loss.dtype)
 
     # ------------------------------------------------------------------ forward
     def gather(self, embeddings: torch.Tensor, labels: torch.Tensor,
                batch_sizes: Optional[Sequence[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """All-gather embeddings (differentiable) and labels: (B, d), (B,) -> (N, d), (N,)."""
-        total = sum(batch_sizes) if batch_sizes is not None else embeddings.shape[0] * self.world_size
-        scale = total / max(embeddings.shape[0], 1)  # local-mean gradient convention
-        x = all_gather_rows(embeddings, self.group, batch_sizes, grad_scale=scale)
-        y = all_gather_no_grad(labels.to(torch.int64), self.group, batch_sizes)
+        """All-gather embeddings (differentiable) and labels: (B, d), (B,) -> (N, d), (N,).
+
+        ``batch_sizes``: every rank's B (None: all equal to this rank's). The embedding
+        gradient is scaled by P: each rank receives P * d(global mean)/d(its rows), so that
+        the data-parallel average of the backbone gradients is the global mean's gradient and
+        every sample weighs the same whatever its rank's batch size (equal batches: the
+        gradient of the local mean, as before).
+        """
+        sizes = None if batch_sizes is None or len(set(batch_sizes)) <= 1 else list(batch_sizes)
+        x = all_gather_rows(embeddings, self.group, sizes, grad_scale=float(self.world_size))
+        y = all_gather_no_grad(labels.to(torch.int64), self.group, sizes)
         return x, y
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor,
                 batch_sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
         """Global-batch mean loss (the same on every rank).
 
-        embeddings (B, d) and labels (B,) are this rank's share of the global batch.
-        ``batch_sizes`` lists every rank's B when they differ (None: all equal).
+        embeddings (B, d) and labels (B,) are this rank's share of the global batch; B may
+        differ between ranks and may be 0. ``batch_sizes`` lists every rank's B; None has them
+        exchanged in the input check's all-reduce. When given, they are checked against the
+        exchanged ones in checked steps and trusted (no sync) in unchecked ones.
         """
-        if not self._check(embeddings, labels):  # non-finite input, nonfinite="skip": agreed by every rank
+        verdict = self._check(embeddings, labels, batch_sizes)
+        if verdict is None:  # non-finite input, nonfinite="skip": agreed by every rank
             return torch.full((), float("nan"), device=embeddings.device)
-        x, y = self.gather(embeddings, labels, batch_sizes)  # (N, d), (N,)
+        x, y = self.gather(embeddings, labels, verdict.sizes)  # (N, d), (N,)
         active = self.sampler.sample(y, x.detach() if self.sampler.needs_embeddings else None, self.weight)
         self.last_active = active
         self._maybe_measure(x, active)
@@ -241,7 +249,7 @@ class ClassParallelHead(nn.Module):
             if active.bounds is not None:
                 part = part * ((rows.stop - rows.start) / max(n, 1))
             total = part if total is None else total + part
-        return total
+        return self._flag_unchecked(total, y, verdict)
 
     # ------------------------------------------------------------------ sampler upkeep and metrics
     def rebuild_index(self) -> None:
@@ -273,34 +281,41 @@ class ClassParallelHead(nn.Module):
 
         Class-parallel: every rank scores the gathered batch against its shard (cosine for
         margin losses, x.w for softmax), in row chunks, and the per-shard top-k are merged.
-        Every rank of the group must call it with its own batch.
+        Every rank of the group must call it with its own batch (B may differ, and be 0).
+        k is capped at num_classes; a shard with fewer than k classes pads its candidates
+        with (-inf, -1), so every rank sends the same (N, k) block. The row counts are
+        exchanged (one small all-gather; ``batch_sizes``, if given, is checked against them).
         """
-        k = min(k, self.num_classes)
-        x = all_gather_no_grad(embeddings, self.group, batch_sizes).to(self.weight.dtype)  # (N, d)
+        if k < 1:
+            raise ValueError(f"topk: k must be >= 1, got {k} (rank {self.rank})")
+        k = min(int(k), self.num_classes)
+        sizes = exchange_sizes(embeddings.shape[0], self.group, embeddings.device)
+        if batch_sizes is not None and [int(b) for b in batch_sizes] != sizes:
+            raise ValueError(f"topk: batch_sizes {list(batch_sizes)} do not match the rows the ranks passed, "
+                             f"{sizes} (this is rank {self.rank})")
+        uneven = sizes if len(set(sizes)) > 1 else None
+        x = all_gather_no_grad(embeddings, self.group, uneven).to(self.weight.dtype)  # (N, d)
         w = self.weight
         if self.loss_fn.normalised:
             w = F.normalize(w.float(), dim=1).to(w.dtype)
             x = F.normalize(x.float(), dim=1).to(w.dtype)
         n = x.shape[0]
-        step = chunk_size or self.chunk_size or n
+        step = max(chunk_size or self.chunk_size or n, 1)
         kl = min(k, self.num_local)
-        vals = torch.empty((n, kl), dtype=torch.float32, device=x.device)
-        ids = torch.empty((n, kl), dtype=torch.int64, device=x.device)
-        for a in range(0, n, max(step, 1)):
+        vals = torch.full((n, k), float("-inf"), dtype=torch.float32, device=x.device)  # (N, k), padded
+        ids = torch.full((n, k), -1, dtype=torch.int64, device=x.device)
+        for a in range(0, n if kl else 0, step):
             v, i = torch.topk((x[a: a + step] @ w.t()).float(), kl, dim=1)  # (n, kl)
-            vals[a: a + step], ids[a: a + step] = v, i + self.class_start
+            vals[a: a + step, :kl], ids[a: a + step, :kl] = v, i + self.class_start
         if is_distributed(self.group):
-            vals = _gather_stack(vals, self.group)  # (P, N, kl)
+            vals = _gather_stack(vals, self.group)  # (P, N, k)
             ids = _gather_stack(ids, self.group)
-            vals = vals.permute(1, 0, 2).reshape(n, -1)  # (N, P*kl)
+            vals = vals.permute(1, 0, 2).reshape(n, -1)  # (N, P*k)
             ids = ids.permute(1, 0, 2).reshape(n, -1)
-        best = torch.topk(vals, k, dim=1).indices
+        best = torch.topk(vals, k, dim=1).indices  # k <= C real candidates: never a pad
         ids = ids.gather(1, best)  # (N, k)
-        if batch_sizes is None:
-            b = embeddings.shape[0]
-            return ids[self.rank * b: (self.rank + 1) * b]
-        start = sum(batch_sizes[: self.rank])
-        return ids[start: start + batch_sizes[self.rank]]
+        start = sum(sizes[: self.rank])
+        return ids[start: start + sizes[self.rank]]
 
     # ------------------------------------------------------------------ state
     def get_extra_state(self) -> dict:

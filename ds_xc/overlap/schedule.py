@@ -6,6 +6,9 @@ dim, K active classes of this shard.
 The local batch is split into C chunks (``torch.tensor_split`` sizes, on every rank).
 Per step:
 
+0. the head's input check runs before any collective of the step (one small all-reduce
+   that also exchanges the batch sizes; ClassParallelHead._check); in the backbone mode
+   the embeddings' finiteness is checked on the gathered rows instead;
 1. labels are all-gathered at once (small), the sampler picks the active set from them
    (samplers that look at the embeddings, ann, first wait for every chunk's gather);
 2. chunk c's embeddings are all-gathered asynchronously as soon as they exist (with
@@ -34,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ds_xc import config as cfg
 from ds_xc.head.softmax import finish_weight_grad, fused_loss_and_grads, inverse_row_norms
 from ds_xc.overlap.comm import PendingGather, PendingReduceScatter, split_sizes
 from ds_xc.overlap.timeline import Timeline
@@ -95,7 +99,7 @@ class ChunkedHeadSchedule:
         if isinstance(embeddings, torch.Tensor):
             parts = list(torch.tensor_split(embeddings, self.num_chunks))
             return self._step(iter(parts), embeddings.shape[0], labels, batch_sizes, backward,
-                              weight_grad_scale, whole=embeddings)
+                              weight_grad_scale, whole=embeddings, known=embeddings.detach())
         parts = list(embeddings)
         if len(parts) != self.num_chunks:
             raise ValueError(f"got {len(parts)} embedding chunks, the schedule has num_chunks={self.num_chunks}")
@@ -104,7 +108,8 @@ class ChunkedHeadSchedule:
             raise ValueError(f"embedding chunks have {[p.shape[0] for p in parts]} rows; with {total} rows in "
                              f"{self.num_chunks} chunks they must have {split_sizes(total, self.num_chunks)} "
                              "(torch.tensor_split sizes, the same rule on every rank)")
-        return self._step(iter(parts), total, labels, batch_sizes, backward, weight_grad_scale)
+        return self._step(iter(parts), total, labels, batch_sizes, backward, weight_grad_scale,
+                          known=torch.cat([p.detach() for p in parts]) if parts else None)
 
     def run_backbone(self, embed: Callable, inputs: torch.Tensor, labels: torch.Tensor,
                      batch_sizes: Optional[Sequence[int]] = None, backward: Optional[Backward] = None,
@@ -119,13 +124,9 @@ class ChunkedHeadSchedule:
                           weight_grad_scale)
 
     # ------------------------------------------------------------------ the step
-    def _layout(self, local_rows: int, batch_sizes):
+    def _layout(self, sizes: list):
         """Per-chunk row counts of every rank and the chunk rows' positions in the serial global batch."""
-        head, C = self.head, self.num_chunks
-        sizes = list(batch_sizes) if batch_sizes is not None else [local_rows] * head.world_size
-        if len(sizes) != head.world_size or sizes[head.rank] != local_rows:
-            raise ValueError(f"batch_sizes {sizes} do not match this rank's {local_rows} rows (rank {head.rank} "
-                             f"of {head.world_size})")
+        C = self.num_chunks
         splits = [split_sizes(s, C) for s in sizes]  # [rank][chunk]
         offsets = [sum(sizes[:r]) for r in range(len(sizes))]
         per_chunk, positions = [], []
@@ -134,39 +135,50 @@ class ChunkedHeadSchedule:
             pos = [torch.arange(offsets[r] + sum(splits[r][:c]), offsets[r] + sum(splits[r][:c + 1]))
                    for r in range(len(sizes))]
             positions.append(torch.cat(pos))  # (N_c,) on the host: no device sync to select rows
-        return sizes, per_chunk, positions
+        return per_chunk, positions
+
+    def _begin(self, chunks, local_rows: int, labels: torch.Tensor, batch_sizes, known: Optional[torch.Tensor]):
+        """The step's prologue: the input check (and the size exchange) before any collective of
+        the step, the labels' gather, then every chunk's gather issued as soon as the chunk exists.
+        Returns None when the step is skipped (non-finite embeddings, nonfinite="skip"), else
+        (verdict, per_chunk, positions, y (N,), embeds, gathers, gathered)."""
+        head = self.head
+        verdict = head._check(known, labels, batch_sizes, num_rows=local_rows)
+        if verdict is None:  # every rank agrees: nothing is sent
+            return None
+        per_chunk, positions = self._layout(verdict.sizes)
+        y = PendingGather(labels.to(torch.int64), verdict.sizes, self.comm_group, self.timeline, "labels",
+                          blocking=True).wait()  # (N,)
+        embeds, gathers = [], []
+        for c, emb in enumerate(chunks):
+            embeds.append(emb)
+            gathers.append(PendingGather(emb.detach(), per_chunk[c], self.comm_group, self.timeline, "gather",
+                                         blocking=not self.overlap) if sum(per_chunk[c]) else None)
+        gathered: list = [None] * self.num_chunks
+        if known is None and verdict.full:  # backbone mode: the embeddings only exist now
+            if not self._gathered_finite(gathers, gathered, verdict.sizes):
+                return None
+        return verdict, per_chunk, positions, y, embeds, gathers, gathered
 
     def _step(self, chunks, local_rows: int, labels: torch.Tensor, batch_sizes, backward, weight_grad_scale,
-              whole: Optional[torch.Tensor] = None) -> torch.Tensor:
+              whole: Optional[torch.Tensor] = None, known: Optional[torch.Tensor] = None) -> torch.Tensor:
         head, tl, C = self.head, self.timeline, self.num_chunks
         backward = backward or _default_backward
         own_step = tl._t0 is None
         if own_step:
             tl.begin_step()
         blocking = not self.overlap
-        sizes, per_chunk, positions = self._layout(local_rows, batch_sizes)
-        n = sum(sizes)
         device = head.weight.device
-        if labels.shape != (local_rows,):
-            raise ValueError(f"labels must have shape ({local_rows},) to match the embeddings, got "
-                             f"{tuple(labels.shape)} on rank {head.rank}")
-        y = PendingGather(labels.to(torch.int64), sizes, self.comm_group, tl, "labels", blocking=True).wait()  # (N,)
-
-        # forward: every chunk's gather is issued as soon as the chunk exists
-        embeds, gathers = [], []
-        for c, emb in enumerate(chunks):
-            embeds.append(emb)
-            gathers.append(PendingGather(emb.detach(), per_chunk[c], self.comm_group, tl, "gather",
-                                         blocking=blocking) if sum(per_chunk[c]) else None)
-        if not head._check(torch.cat([e.detach() for e in embeds]) if C > 1 else embeds[0].detach(), labels):
-            for g in gathers:  # non-finite input, nonfinite="skip" (every rank agrees): drain, no backward
-                if g is not None:
-                    g.wait()
+        begun = self._begin(chunks, local_rows, labels, batch_sizes, known)
+        if begun is None:  # non-finite input, nonfinite="skip" (every rank agrees): no backward
+            if own_step:
+                tl.end_step()
             return torch.full((), float("nan"), dtype=torch.float64, device=device)
+        verdict, per_chunk, positions, y, embeds, gathers, gathered = begun
+        n = sum(verdict.sizes)
         need_gx = any(e.requires_grad for e in embeds)
         need_gw = head.weight.requires_grad and torch.is_grad_enabled()
 
-        gathered: list = [None] * C
         x_serial = None
         sampler = head.sampler
         if sampler.needs_embeddings:  # the active set depends on every row's embedding: wait for all
@@ -178,7 +190,7 @@ class ChunkedHeadSchedule:
         norms = [inverse_row_norms(w, head.loss_fn) for _, _, w in groups]  # (K,) once per step, not per chunk
         gw_sum: list = [None] * len(groups)  # (K, d) accumulators, normalisation backward applied at the end
         total = torch.zeros((), dtype=torch.float64, device=device)
-        inv_local = 1.0 / max(local_rows, 1)  # local-mean convention of the embedding gradient
+        inv_local = head.world_size / max(n, 1)  # P * d(global mean)/d(own rows), as the serial path
         last_local = max((c for c in range(C) if per_chunk[c][head.rank] > 0), default=-1)
 
         pending: list = []  # (chunk, PendingReduceScatter) not yet consumed by the backbone
@@ -210,9 +222,47 @@ class ChunkedHeadSchedule:
                 x_serial = self._assemble(gathers, gathered, positions, n)
             head._maybe_measure(x_serial, active)
         loss = (total / max(n, 1)).to(head.weight.dtype if head.weight.dtype == torch.float64 else torch.float32)
+        loss = head._flag_unchecked(loss, y, verdict)
         if own_step:
             tl.end_step()
         return loss
+
+    def _gathered_finite(self, gathers, gathered, sizes) -> bool:
+        """Backbone mode: the embeddings' finiteness, checked on the gathered rows (the same on every
+        rank, so no collective; one host sync). Waits for every chunk's gather first, so in a
+        checked step the head's compute no longer overlaps the later gathers. False: skip."""
+        head = self.head
+        bad_rows = []
+        for c, pg in enumerate(gathers):
+            if pg is not None:
+                gathered[c] = pg.wait()  # (N_c, d)
+                bad_rows.append((~torch.isfinite(gathered[c]).all(dim=1)).sum())
+        if not bad_rows or not bool(torch.stack(bad_rows).sum()):
+            return True
+        per_chunk, _ = self._layout(sizes)
+        ranks = sorted({r for c, pg in enumerate(gathers) if pg is not None
+                        for r in self._bad_ranks(gathered[c], per_chunk[c])})
+        if head.nonfinite == "raise":
+            raise FloatingPointError(f"embeddings of rank(s) {ranks} contain NaN or Inf (found on the gathered rows; "
+                                     f"this is rank {head.rank}; {cfg.HEAD_SECTION}.nonfinite='raise')")
+        head.nonfinite_inputs += 1
+        log.warning("rank %d: rank(s) %s sent NaN or Inf embeddings; the step is skipped on every rank "
+                    "(%s.nonfinite='skip')", head.rank, ranks, cfg.HEAD_SECTION)
+        for pg in gathers:
+            if pg is not None:
+                pg.wait()
+        return False
+
+    @staticmethod
+    def _bad_ranks(xc: torch.Tensor, counts: list) -> list:
+        """Ranks whose rows of the gathered chunk xc (N_c, d) hold NaN/Inf (counts: rows per rank)."""
+        bad = (~torch.isfinite(xc).all(dim=1)).tolist()
+        out, a = [], 0
+        for r, b in enumerate(counts):
+            if any(bad[a: a + b]):
+                out.append(r)
+            a += b
+        return out
 
     def _chunk(self, xc, pos, active, groups, norms, gw_sum, need_gx, need_gw, total):
         """Loss rows and gradients of one chunk; returns the chunk's embedding gradient (N_c, d) (row sums).

@@ -50,7 +50,11 @@ def active_set_quality(x: torch.Tensor, weight: torch.Tensor, class_start: int, 
     q = x.detach().float()
     if normalised:
         w, q = F.normalize(w, dim=1), F.normalize(q, dim=1) * scale
-    k = min(k, num_local)
+    total = torch.tensor([num_local], dtype=torch.int64, device=w.device)
+    if is_distributed(group):  # k must be the same on every rank: capped by all classes, not this shard
+        dist.all_reduce(total, group=group)
+    k = min(k, int(total.item()))
+    kl = min(k, num_local)  # this shard's candidates, padded to k with (-inf, -1) below
     hits = torch.zeros(4, dtype=torch.float64, device=w.device)  # active, retrieved, mass, -
     masks = []
     for rows, idx in active.groups():  # which local classes are active, per group
@@ -62,8 +66,11 @@ def active_set_quality(x: torch.Tensor, weight: torch.Tensor, class_start: int, 
     for a in range(0, q.shape[0], chunk):
         z = q[a: a + chunk] @ w.t()  # (n, L) plain logits
         n = z.shape[0]
-        top = torch.topk(z, k, dim=1)
-        best = _merge_topk(top.values, top.indices + class_start, k, group)  # (n, k) global ids
+        top = torch.topk(z, kl, dim=1)
+        vals = torch.full((n, k), float("-inf"), dtype=z.dtype, device=z.device)  # (n, k) padded
+        ids = torch.full((n, k), -1, dtype=torch.int64, device=z.device)
+        vals[:, :kl], ids[:, :kl] = top.values, top.indices + class_start
+        best = _merge_topk(vals, ids, k, group)  # (n, k) global ids; k <= C real candidates: no pad
         local = best - class_start
         mine = (local >= 0) & (local < num_local)
         lc = local.clamp(0, num_local - 1)
