@@ -22,6 +22,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from ds_xc.checkpoint import CheckpointError
+from ds_xc.parallel.groups import world_rank_and_size
 
 log = logging.getLogger(__name__)
 
@@ -130,15 +131,12 @@ def raise_if_disk_full(exc: BaseException, save_dir: str) -> None:
 
 
 # ---------------------------------------------------------------------- on every rank of a job
-def _world() -> tuple:
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
 
 def write_manifest_all_ranks(staging: str, group) -> None:
     """Every rank hashes a share of the staged files; rank 0 writes ds_xc_manifest.json (ds_xc/manifest.py)."""
     if dist.is_initialized():
         dist.barrier(group=group)  # every file is written
-    rank, world = _world()
+    rank, world = world_rank_and_size()
     names = list_files(staging)
     entries = [hash_files(staging, names[rank::world])]
     if world > 1:
@@ -150,7 +148,7 @@ def write_manifest_all_ranks(staging: str, group) -> None:
 
 def verify_manifest_all_ranks(tag_dir: str, group) -> None:
     """Check every file against the manifest, a share per rank; any problem raises on every rank alike."""
-    rank, world = _world()
+    rank, world = world_rank_and_size()
     files = read_manifest(tag_dir)  # the same file on every rank: a damaged one raises everywhere
     if files is None:
         log.warning("%s has no %s (written before ds_xc checksummed its checkpoints): file checksums are not "
