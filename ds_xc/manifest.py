@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from ds_xc.checkpoint import CheckpointError
+from ds_xc.checkpoint import CheckpointError, atomic_json
 from ds_xc.parallel.groups import world_rank_and_size
 
 log = logging.getLogger(__name__)
@@ -60,12 +60,7 @@ def hash_files(tag_dir: str, names: list) -> dict:
 def write_manifest(tag_dir: str, entries: dict) -> str:
     """Write the manifest of ``entries`` (from :func:`hash_files`) atomically: temporary file, fsync, rename."""
     path = os.path.join(tag_dir, MANIFEST_FILE)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump({"format": 1, "files": dict(sorted(entries.items()))}, fh, indent=1)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    atomic_json({"format": 1, "files": dict(sorted(entries.items()))}, path)
     return path
 
 
