@@ -52,9 +52,9 @@ ORDER = ["forward", "index rebuild", "backward", "gradient reduction", "optimize
          "evaluation"]
 DS_SAVE = "call:deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine:TorchCheckpointEngine.save"
 SAVE_POINTS = {  # points inside xc.save_checkpoint, with the rank that can reach them
-    "call:ds_xc.engine.checkpointing:save_head_state": (0, 1), "call:ds_xc.engine.checkpointing:atomic_save": (0, 1), DS_SAVE: (0,),
-    "call:ds_xc.engine.checkpointing:write_manifest_all_ranks": (0, 1), "call:ds_xc.engine.checkpointing:publish_tag": (0,),
-    "call:ds_xc.checkpoint.files:write_latest": (0,)}
+    "call:ds_xc.engine.checkpointing:save_head_state": (0, 1), "call:ds_xc.engine.checkpointing:atomic_save": (0, 1),
+    DS_SAVE: (0,), "call:ds_xc.engine.checkpointing:write_manifest_all_ranks": (0, 1),
+    "call:ds_xc.engine.checkpointing:publish_tag": (0,), "call:ds_xc.checkpoint.files:write_latest": (0,)}
 STEP_POINTS = {"call:ds_xc.head.head:ClassParallelHead.forward": "forward",
                "call:deepspeed.runtime.engine:DeepSpeedEngine.step": "optimizer step"}
 

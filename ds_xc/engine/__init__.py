@@ -16,4 +16,5 @@ from ds_xc.engine.setup import (check_supported, cpu_friendly_deepspeed, init_di
 from ds_xc.peers import describe_comm_failure, gather_peers, is_comm_failure, lost_peers, stopped_peers
 
 __all__ = ["initialize", "init_distributed", "XCEngine", "check_supported", "load_raw_config", "gather_peers",
-           "lost_peers", "stopped_peers", "describe_comm_failure", "is_comm_failure", "PHASES", "cpu_friendly_deepspeed"]
+           "lost_peers", "stopped_peers", "describe_comm_failure", "is_comm_failure", "PHASES",
+           "cpu_friendly_deepspeed"]
