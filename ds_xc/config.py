@@ -14,30 +14,23 @@ Sections
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from typing_extensions import Annotated
+
+from ds_xc.config_base import (COMPRESSION_SECTION, HEAD_SECTION, TRAIN_SECTION, ConfigError,  # noqa: F401
+                               Section as _Section, load_raw, validate_section, validation_error)
+from ds_xc.config_compression import parse_compression
 
 __all__ = [
     "ConfigError", "LossConfig", "SamplerConfig", "HeadOptimizerConfig", "HeadConfig",
     "TrainConfig", "XCConfig", "parse_config", "parse_loss", "parse_sampler", "HEAD_SECTION", "TRAIN_SECTION",
+    "COMPRESSION_SECTION", "validate_section", "validation_error", "load_raw",
 ]
 
-HEAD_SECTION = "extreme_classification"
-TRAIN_SECTION = "xc_train"
-COMPRESSION_SECTION = "gradient_compression"  # validated by ds_xc.compression.config
-
-
-class ConfigError(ValueError):
-    """An invalid ds_xc configuration. The message names the key path, the value and what is allowed."""
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True, frozen=False)
 
 
 # --------------------------------------------------------------------------- loss
@@ -299,68 +292,11 @@ class XCConfig(BaseModel):
     model_config = ConfigDict(extra="ignore")
     extreme_classification: Optional[HeadConfig] = None
     xc_train: TrainConfig = Field(default_factory=TrainConfig)
-    # ds_xc.compression.config.GradientCompressionConfig (typed loosely: that module imports this one)
+    # a ds_xc.config_compression.GradientCompressionConfig (parse_compression validates it)
     gradient_compression: Optional[Any] = None
 
 
 _SECTIONS = (HEAD_SECTION, TRAIN_SECTION)
-_TAGGED_UNIONS = {"loss", "sampler"}  # pydantic puts the tag into the error location; we drop it
-
-
-def _format_loc(loc: tuple) -> str:
-    parts: list[str] = []
-    skip = False
-    for item in loc:
-        if skip:
-            skip = False
-            continue
-        if isinstance(item, int):
-            parts[-1:] = [f"{parts[-1]}[{item}]"] if parts else [f"[{item}]"]
-            continue
-        parts.append(str(item))
-        skip = item in _TAGGED_UNIONS
-    return ".".join(parts)
-
-
-def _describe_error(err: dict, prefix: str) -> str:
-    loc = err.get("loc", ())
-    kind, msg = err.get("type", ""), err.get("msg", "")
-    path = ".".join(p for p in (prefix, _format_loc(loc)) if p)
-    if kind == "union_tag_invalid":
-        # error location stops at the union field itself
-        return f"{path}.type: {msg}"
-    if kind == "extra_forbidden":
-        return f"{path}: unknown key (value {err.get('input')!r}); remove it or check the spelling"
-    if kind == "union_tag_not_found":
-        allowed = err.get("ctx", {}).get("expected_tags", "")
-        return f"{path}.type: required key is missing; expected one of {allowed}"
-    if kind == "value_error":
-        return f"{path}: {msg.removeprefix('Value error, ')}"
-    if kind == "missing":
-        return f"{path}: required key is missing"
-    if kind.startswith("literal_error"):
-        return f"{path}: got {err.get('input')!r}; {msg.lower()}"
-    return f"{path}: got {err.get('input')!r}; {msg}"
-
-
-def validation_error(exc: ValidationError, prefix: str) -> ConfigError:
-    """Turn a pydantic error into a ConfigError listing every problem with its key path."""
-    lines = [_describe_error(e, prefix) for e in exc.errors()]
-    return ConfigError("invalid ds_xc config:\n  " + "\n  ".join(lines))
-
-
-def validate_section(model: type[BaseModel], value: Any, prefix: str) -> BaseModel:
-    """Validate one section (a dict or an instance of ``model``), raising ConfigError."""
-    if isinstance(value, model):
-        return value
-    if not isinstance(value, dict):
-        raise ConfigError(f"{prefix}: expected a JSON object (dict), got {type(value).__name__} {value!r}")
-    try:
-        return model.model_validate(value)
-    except ValidationError as exc:
-        raise validation_error(exc, prefix) from None
-
-
 class _LossHolder(BaseModel):
     model_config = ConfigDict(extra="forbid")
     loss: LossConfig
@@ -389,36 +325,13 @@ def parse_sampler(value: Any):
     return validate_section(_SamplerHolder, {"sampler": value}, HEAD_SECTION).sampler
 
 
-def _load(config: Union[str, os.PathLike, dict]) -> dict:
-    if isinstance(config, dict):
-        return config
-    if not isinstance(config, (str, os.PathLike)):
-        raise ConfigError(f"the config must be a JSON object (dict) or a path to a JSON file, got "
-                          f"{type(config).__name__} {config!r:.80}")
-    path = os.fspath(config)
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file {path!r} does not exist")
-    with open(path) as fh:
-        text = fh.read()
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        try:  # DeepSpeed accepts hjson (comments); so do we when hjson is installed
-            import hjson
-            return dict(hjson.loads(text))
-        except ImportError:
-            raise ConfigError(f"config file {path!r} is not valid JSON") from None
-        except Exception as exc:  # hjson error: report file and reason
-            raise ConfigError(f"config file {path!r} is not valid JSON/hjson: {exc}") from None
-
-
 def parse_config(config: Union[str, os.PathLike, dict]) -> XCConfig:
     """Validate the ds_xc sections of a whole DeepSpeed config (a dict or a path to the JSON).
 
     Keys that belong to DeepSpeed are left alone; each ds_xc section is validated by its
     model, and any problem raises :class:`ConfigError` naming the key path.
     """
-    raw = _load(config)
+    raw = load_raw(config)
     if not isinstance(raw, dict):
         raise ConfigError(f"the config must be a JSON object, got {type(raw).__name__}")
     sections: dict[str, Any] = {}
@@ -427,6 +340,5 @@ def parse_config(config: Union[str, os.PathLike, dict]) -> XCConfig:
     if TRAIN_SECTION in raw:
         sections[TRAIN_SECTION] = validate_section(TrainConfig, raw[TRAIN_SECTION], TRAIN_SECTION)
     if COMPRESSION_SECTION in raw:
-        from ds_xc.compression.config import parse_compression  # late: it builds on this module
         sections[COMPRESSION_SECTION] = parse_compression(raw[COMPRESSION_SECTION])
     return XCConfig(**sections)

@@ -21,7 +21,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from ds_xc.checkpoint import CheckpointError
+from ds_xc.checkpoint import CheckpointError, atomic_json
+from ds_xc.parallel.groups import world_rank_and_size
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +60,7 @@ def hash_files(tag_dir: str, names: list) -> dict:
 def write_manifest(tag_dir: str, entries: dict) -> str:
     """Write the manifest of ``entries`` (from :func:`hash_files`) atomically: temporary file, fsync, rename."""
     path = os.path.join(tag_dir, MANIFEST_FILE)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump({"format": 1, "files": dict(sorted(entries.items()))}, fh, indent=1)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    atomic_json({"format": 1, "files": dict(sorted(entries.items()))}, path)
     return path
 
 
@@ -130,15 +126,12 @@ def raise_if_disk_full(exc: BaseException, save_dir: str) -> None:
 
 
 # ---------------------------------------------------------------------- on every rank of a job
-def _world() -> tuple:
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
 
 def write_manifest_all_ranks(staging: str, group) -> None:
     """Every rank hashes a share of the staged files; rank 0 writes ds_xc_manifest.json (ds_xc/manifest.py)."""
     if dist.is_initialized():
         dist.barrier(group=group)  # every file is written
-    rank, world = _world()
+    rank, world = world_rank_and_size()
     names = list_files(staging)
     entries = [hash_files(staging, names[rank::world])]
     if world > 1:
@@ -150,7 +143,7 @@ def write_manifest_all_ranks(staging: str, group) -> None:
 
 def verify_manifest_all_ranks(tag_dir: str, group) -> None:
     """Check every file against the manifest, a share per rank; any problem raises on every rank alike."""
-    rank, world = _world()
+    rank, world = world_rank_and_size()
     files = read_manifest(tag_dir)  # the same file on every rank: a damaged one raises everywhere
     if files is None:
         log.warning("%s has no %s (written before ds_xc checksummed its checkpoints): file checksums are not "

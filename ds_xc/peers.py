@@ -14,11 +14,10 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from ds_xc.parallel.groups import world_rank_and_size
+
 __all__ = ["gather_peers", "lost_peers", "stopped_peers", "is_comm_failure", "describe_comm_failure"]
 
-
-def _world() -> tuple[int, int]:
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
 def gather_peers() -> list:
@@ -82,7 +81,7 @@ def describe_comm_failure(exc: BaseException, peers: Optional[list] = None, time
                           where: Optional[str] = None) -> str:
     """One line for a failed collective: this rank, where it was (``XCEngine.where()``: the phase and
     step), the peers found dead or stopped, and the original error."""
-    rank, world = _world()
+    rank, world = world_rank_and_size()
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
     gone = stopped = []
     deadline = time.monotonic() + _EXIT_GRACE_S

@@ -57,7 +57,7 @@ def model_table(model: type[BaseModel], path: str) -> list[str]:
 
 def render() -> str:
     out = ["# ds_xc configuration reference", "",
-           "Generated from the pydantic models in `ds_xc/config.py` and `ds_xc/compression/config.py` by `python launch/config_docs.py`;",
+           "Generated from the pydantic models in `ds_xc/config.py` and `ds_xc/config_compression.py` by `python launch/config_docs.py`;",
            "a test fails when this page and the models disagree. Every section lives at the top level",
            "of the DeepSpeed JSON next to DeepSpeed's own keys. Unknown keys are errors, and an error",
            "names the key path, the value and what is allowed.", ""]
@@ -70,7 +70,7 @@ def render() -> str:
         out += model_table(m, f"extreme_classification.sampler (type {m.model_fields['type'].annotation.__args__[0]!r})")
     out += model_table(cfg.HeadOptimizerConfig, "extreme_classification.optimizer")
     out += ["## xc_train", ""] + model_table(cfg.TrainConfig, "xc_train")
-    from ds_xc.compression import config as ccfg
+    from ds_xc import config_compression as ccfg
     out += ["## gradient_compression", "",
             "Compressed data-parallel reduction of the backbone's gradients (docs/compression.md); when",
             "present with a `method` other than none, `ds_xc.initialize` attaches it to the engine.", ""]

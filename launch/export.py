@@ -24,8 +24,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from ds_xc.checkpoint import (EXPORT_FORMAT, EXPORT_INDEX, CheckpointError, ShardRows,  # noqa: E402
-                              _atomic_json, atomic_save, file_sha256, refuse_under_launcher,
-                              resolve_tag)
+                              atomic_json, atomic_save, atomic_write, file_sha256,
+                              refuse_under_launcher, resolve_tag)
 
 
 def have_safetensors() -> bool:
@@ -40,11 +40,8 @@ def write_block(weight: torch.Tensor, path: str, class_start: int, num_classes: 
     """One exported file: rows [class_start, class_start + len(weight)) of a num_classes head."""
     if path.endswith(".safetensors"):
         from safetensors.torch import save_file
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        tmp = os.path.join(os.path.dirname(path) or ".", f".tmp_{os.path.basename(path)}")
-        save_file({"weight": weight.contiguous()}, tmp, metadata={
-            "format": EXPORT_FORMAT, "class_start": str(class_start), "num_classes": str(num_classes)})
-        os.replace(tmp, path)
+        atomic_write(path, lambda tmp: save_file({"weight": weight.contiguous()}, tmp, metadata={
+            "format": EXPORT_FORMAT, "class_start": str(class_start), "num_classes": str(num_classes)}))
         return
     atomic_save({"format": EXPORT_FORMAT, "weight": weight.contiguous(), "class_start": class_start,
                  "num_classes": num_classes}, path)
@@ -80,7 +77,7 @@ def export(tag_dir: str, out: str, max_shard_rows: int = 0, fmt: str = "auto") -
         path = os.path.join(out, name)
         write_block(rows.rows(start, count), path, start, c)
         entries.append({"file": name, "class_start": start, "num_rows": count, "sha256": file_sha256(path)})
-    _atomic_json({"format": EXPORT_FORMAT, "num_classes": c, "embedding_dim": d, "dtype": str(rows.dtype),
+    atomic_json({"format": EXPORT_FORMAT, "num_classes": c, "embedding_dim": d, "dtype": str(rows.dtype),
                   "source": os.path.abspath(tag_dir), "files": entries}, os.path.join(out, EXPORT_INDEX))
     return {"files": [os.path.join(out, e["file"]) for e in entries] + [os.path.join(out, EXPORT_INDEX)],
             "num_classes": c, "embedding_dim": d, "dtype": str(rows.dtype)}

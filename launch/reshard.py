@@ -37,7 +37,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from ds_xc.checkpoint import (HEAD_DIR, CheckpointError, ShardRows, atomic_save, load_file,  # noqa: E402
-                              read_meta, refuse_under_launcher, resolve_tag, shard_file, write_meta)
+                              read_meta, refuse_under_launcher, resolve_tag, shard_file, write_latest,
+                              write_meta)
 from ds_xc.compression.checkpoint import COMPRESSION_DIR, compression_file  # noqa: E402
 from ds_xc.head.partition import shard_range  # noqa: E402
 from ds_xc.manifest import check_files, hash_files, list_files, read_manifest, write_manifest  # noqa: E402
@@ -218,15 +219,8 @@ def reshard(load_dir: str, out_dir: str, world_size: int, tag=None) -> dict:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    _write_latest(out_dir, tag)  # last: a half-written output is never picked up by --resume
+    write_latest(out_dir, tag)  # last: a half-written output is never picked up by --resume
     return {"tag": tag, "old_world_size": old_world, "world_size": world_size, "notes": notes}
-
-
-def _write_latest(out_dir: str, tag: str) -> None:
-    tmp = os.path.join(out_dir, ".latest.tmp")
-    with open(tmp, "w") as fh:
-        fh.write(tag)
-    os.replace(tmp, os.path.join(out_dir, "latest"))
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -15,6 +15,8 @@ import logging
 import os
 import sys
 import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -116,8 +118,60 @@ def main(argv=None) -> dict:
         os._exit(EXIT_PEER_LOST)
 
 
+@dataclass
+class Job:
+    """What one run of the job holds: its config, data, engine, progress and results so far."""
+    args: argparse.Namespace
+    raw: dict
+    xcfg: Any
+    rank: int
+    world: int
+    data: Any = None
+    xc: Any = None
+    micro: int = 0
+    gas: int = 0
+    cast: Optional[torch.dtype] = None  # bf16 inputs for dense/image data when bf16 is on
+    start: int = 0  # the first step to run (after a resume)
+    bar: Any = None  # rank 0's progress bar
+    monitor: Any = None  # DeepSpeed's monitor, when enabled
+    t0: float = 0.0
+    samples: int = 0
+    loss: Any = None  # the last micro-step's loss
+    ev: dict = field(default_factory=dict)  # the latest evaluation
+    history: list = field(default_factory=list)
+
+    @property
+    def tcfg(self):
+        return self.xcfg.xc_train
+
+    @property
+    def hcfg(self):
+        return self.xcfg.extreme_classification
+
+
 def _train(args, raw: dict, xcfg, rank: int, world: int) -> dict:
-    tcfg, hcfg = xcfg.xc_train, xcfg.extreme_classification
+    """Set up, run the steps (each: train, log, evaluate and save when due), then summarise."""
+    job = _setup(Job(args=args, raw=raw, xcfg=xcfg, rank=rank, world=world))
+    for step in range(job.start, job.tcfg.max_steps):
+        _train_step(job, step)
+        done = step + 1
+        _log_progress(job, done)
+        if job.bar is not None:
+            job.bar.update(1)
+        if job.tcfg.eval_every and done % job.tcfg.eval_every == 0 and done != job.tcfg.max_steps:
+            _periodic_evaluation(job, done)
+        if job.tcfg.save_every and done % job.tcfg.save_every == 0 and done != job.tcfg.max_steps:
+            _save(job, done)
+    summary = _finish(job)
+    _print_summary(job, summary)
+    dist.barrier()
+    dist.destroy_process_group()
+    return summary
+
+
+# ---------------------------------------------------------------------- setup
+def _build_data(tcfg, hcfg, rank: int):
+    """The data set, rank 0 first (it builds any cache), the other ranks after it."""
     if tcfg.data in ("text", "corpus"):
         say(f"preparing the {tcfg.data} data set (tokenising, cached afterwards; corpus fetches "
             "Debian packages the first time)...")
@@ -132,113 +186,150 @@ def _train(args, raw: dict, xcfg, rank: int, world: int) -> dict:
     data = build_dataset(tcfg.data, hcfg.num_classes, seed=tcfg.seed, **data_kwargs)
     if rank == 0:
         dist.barrier()
+    return data
+
+
+def _resume(job: Job) -> int:
+    """The step to start from: the checkpoint's (--resume), else 0."""
+    if not job.args.resume:
+        return 0
+    if not job.args.save_dir:
+        raise SystemExit("--resume needs --save_dir")
+    state = job.xc.load_checkpoint(job.args.save_dir)
+    start = state["step"] if state else 0
+    say(f"resumed from {job.args.save_dir} at step {start}" if state else "no checkpoint found; starting fresh")
+    return start
+
+
+def _setup(job: Job) -> Job:
+    """Data, backbone, engine (ds_xc.initialize), resume, the banner and rank 0's progress bar."""
+    tcfg, hcfg = job.tcfg, job.hcfg
+    job.data = data = _build_data(tcfg, hcfg, job.rank)
     torch.manual_seed(tcfg.seed)
     backbone = build_backbone(data, hcfg.embedding_dim, hidden_dim=tcfg.hidden_dim)
-    xc = ds_xc.initialize(model=backbone, config=raw)
+    job.xc = xc = ds_xc.initialize(model=backbone, config=job.raw)
     _PEERS.update(peers=xc.peers, xc=xc)
-    micro, gas = xc.engine.train_micro_batch_size_per_gpu(), xc.engine.gradient_accumulation_steps()
-    cast = torch.bfloat16 if xc.engine.bfloat16_enabled() and data.input_kind in ("dense", "image") else None
-
-    start = 0
-    if args.resume:
-        if not args.save_dir:
-            raise SystemExit("--resume needs --save_dir")
-        state = xc.load_checkpoint(args.save_dir)
-        start = state["step"] if state else 0
-        say(f"resumed from {args.save_dir} at step {start}" if state else "no checkpoint found; starting fresh")
-    say(f"ds_xc: {data.describe()['name']} data, {hcfg.num_classes} classes on {world} rank(s), "
-        f"loss={hcfg.loss.type}, sampler={hcfg.sampler.type}, global batch {micro * gas * world}, "
-        f"steps {start}->{tcfg.max_steps}")
-
-    def evaluate() -> dict:
-        xc.eval()
-        embed = (lambda x: xc.engine(x.to(cast))) if cast else xc.engine
-        with xc.in_phase("evaluation"):
-            res = evaluate_topk(embed, xc.head, data.eval_batches(micro, rank, world, tcfg.eval_samples),
-                                device=xc.engine.device)
-        xc.train()
-        return res
-
-    def verify() -> dict:
-        """TAR at FAR 1e-3 / 1e-4 on the data set's held-out designs (rank 0; the backbone is replicated)."""
-        res = {}
-        with all_or_none("verification on rank 0", dist.group.WORLD):  # rank 0 failing must not leave the others waiting
-            if rank == 0:
-                from ds_xc.evaluate import verification
-                xc.eval()
-                images, labels, designs = data.verification_set()
-                res = verification(lambda x: xc.engine(x.to(xc.engine.device).to(cast) if cast else
-                                                       x.to(xc.engine.device)), images, labels, designs)
-                xc.train()
-        return res
-
-    def save(step: int) -> None:
-        if args.save_dir:
-            xc.save_checkpoint(args.save_dir, tag=f"step{step}", client_state={"step": step})
-
-    def compression_stats() -> dict:
-        if xc.compression is None:
-            return {}
-        return {k: v for k, v in xc.compression.stats().items() if isinstance(v, (int, float))}
-
-    bar = None
-    if rank == 0:
+    job.micro, job.gas = xc.engine.train_micro_batch_size_per_gpu(), xc.engine.gradient_accumulation_steps()
+    job.cast = torch.bfloat16 if xc.engine.bfloat16_enabled() and data.input_kind in ("dense", "image") else None
+    job.start = _resume(job)
+    say(f"ds_xc: {data.describe()['name']} data, {hcfg.num_classes} classes on {job.world} rank(s), "
+        f"loss={hcfg.loss.type}, sampler={hcfg.sampler.type}, global batch {job.micro * job.gas * job.world}, "
+        f"steps {job.start}->{tcfg.max_steps}")
+    if job.rank == 0:
         from tqdm import tqdm
         tty = sys.stdout.isatty()  # in a log file, a line every 30 s instead of every update
-        bar = tqdm(total=tcfg.max_steps, initial=start, unit="step", dynamic_ncols=True, file=sys.stdout,
-                   mininterval=0.5 if tty else 30.0, maxinterval=60.0 if tty else 120.0)
-    monitor = xc.engine.monitor if getattr(xc.engine.monitor, "enabled", False) else None
-    t0, samples, ev, history = time.perf_counter(), 0, {}, []
-    for step in range(start, tcfg.max_steps):
-        for m in range(gas):
-            x, y = data.train_batch(step * gas + m, micro, rank, world)
-            x, y = x.to(xc.engine.device), y.to(xc.engine.device)
-            loss = xc.forward_backward(x.to(cast) if cast else x, y)  # overlapped when configured
-            xc.step()
-        samples += micro * gas * world
-        done = step + 1
-        if done % tcfg.log_every == 0 or done == tcfg.max_steps:
-            rate = samples / (time.perf_counter() - t0)
-            if bar is not None:
-                bar.set_postfix(loss=f"{loss.item():.3f}", samples_s=f"{rate:.0f}", **{
-                    k: f"{v:.3f}" for k, v in ev.items() if k.startswith("top")})
-            if monitor is not None:
-                stats = [(f"Sampler/{k}", float(v), done) for k, v in xc.head.sampler_stats().items()]
-                stats += [(f"Compression/{k}", float(v), done) for k, v in compression_stats().items()]
-                stats += [(f"Overlap/{k}", float(v), done) for k, v in xc.overlap_stats().get("last", {}).items()]
-                monitor.write_events([("Train/loss", loss.item(), done), ("Train/samples_per_s", rate, done)]
-                                     + stats)
-        if bar is not None:
-            bar.update(1)
-        if tcfg.eval_every and done % tcfg.eval_every == 0 and done != tcfg.max_steps:
-            ev = evaluate()
-            history.append(dict(ev, step=done, loss=loss.item(), seconds=time.perf_counter() - t0))
-            if bar is not None:
-                bar.write(f"step {done}: loss {loss.item():.4f}, held-out top-1 {ev['top1']:.4f} "
-                          f"top-5 {ev['top5']:.4f}")
-            if monitor is not None:
-                monitor.write_events([(f"Eval/{k}", v, done) for k, v in ev.items() if k.startswith("top")])
-        if tcfg.save_every and done % tcfg.save_every == 0 and done != tcfg.max_steps:
-            save(done)
-    elapsed = time.perf_counter() - t0
-    if bar is not None:
-        bar.close()
-    ev = evaluate()
-    verified = verify() if hasattr(data, "verification_set") else {}
-    final_loss = loss.item() if tcfg.max_steps > start else float("nan")
-    history.append(dict(ev, step=tcfg.max_steps, loss=final_loss, seconds=elapsed))
-    save(tcfg.max_steps)
-    summary = {"steps": tcfg.max_steps - start, "samples_per_s": samples / max(elapsed, 1e-9),
+        job.bar = tqdm(total=tcfg.max_steps, initial=job.start, unit="step", dynamic_ncols=True, file=sys.stdout,
+                       mininterval=0.5 if tty else 30.0, maxinterval=60.0 if tty else 120.0)
+    job.monitor = xc.engine.monitor if getattr(xc.engine.monitor, "enabled", False) else None
+    job.t0 = time.perf_counter()
+    return job
+
+
+# ---------------------------------------------------------------------- one step
+def _train_step(job: Job, step: int) -> None:
+    """One optimizer step: ``gas`` micro-steps of forward, backward and xc.step()."""
+    xc = job.xc
+    for m in range(job.gas):
+        x, y = job.data.train_batch(step * job.gas + m, job.micro, job.rank, job.world)
+        x, y = x.to(xc.engine.device), y.to(xc.engine.device)
+        job.loss = xc.forward_backward(x.to(job.cast) if job.cast else x, y)  # overlapped when configured
+        xc.step()
+    job.samples += job.micro * job.gas * job.world
+
+
+def _compression_stats(xc) -> dict:
+    if xc.compression is None:
+        return {}
+    return {k: v for k, v in xc.compression.stats().items() if isinstance(v, (int, float))}
+
+
+def _log_progress(job: Job, done: int) -> None:
+    """Every log_every steps (and the last): the bar's loss and rate, DeepSpeed's monitor events."""
+    if not (done % job.tcfg.log_every == 0 or done == job.tcfg.max_steps):
+        return
+    xc, loss = job.xc, job.loss
+    rate = job.samples / (time.perf_counter() - job.t0)
+    if job.bar is not None:
+        job.bar.set_postfix(loss=f"{loss.item():.3f}", samples_s=f"{rate:.0f}", **{
+            k: f"{v:.3f}" for k, v in job.ev.items() if k.startswith("top")})
+    if job.monitor is not None:
+        stats = [(f"Sampler/{k}", float(v), done) for k, v in xc.head.sampler_stats().items()]
+        stats += [(f"Compression/{k}", float(v), done) for k, v in _compression_stats(xc).items()]
+        stats += [(f"Overlap/{k}", float(v), done) for k, v in xc.overlap_stats().get("last", {}).items()]
+        job.monitor.write_events([("Train/loss", loss.item(), done), ("Train/samples_per_s", rate, done)]
+                                 + stats)
+
+
+# ---------------------------------------------------------------------- evaluation and checkpoints
+def _evaluate(job: Job) -> dict:
+    """Held-out top-k over all classes (every rank)."""
+    xc, cast = job.xc, job.cast
+    xc.eval()
+    embed = (lambda x: xc.engine(x.to(cast))) if cast else xc.engine
+    with xc.in_phase("evaluation"):
+        res = evaluate_topk(embed, xc.head, job.data.eval_batches(job.micro, job.rank, job.world,
+                                                                  job.tcfg.eval_samples), device=xc.engine.device)
+    xc.train()
+    return res
+
+
+def _verify(job: Job) -> dict:
+    """TAR at FAR 1e-3 / 1e-4 on the data set's held-out designs (rank 0; the backbone is replicated)."""
+    xc, cast, res = job.xc, job.cast, {}
+    with all_or_none("verification on rank 0", dist.group.WORLD):  # rank 0 failing must not leave the others waiting
+        if job.rank == 0:
+            from ds_xc.evaluate import verification
+            xc.eval()
+            images, labels, designs = job.data.verification_set()
+            res = verification(lambda x: xc.engine(x.to(xc.engine.device).to(cast) if cast else
+                                                   x.to(xc.engine.device)), images, labels, designs)
+            xc.train()
+    return res
+
+
+def _periodic_evaluation(job: Job, done: int) -> None:
+    job.ev = ev = _evaluate(job)
+    loss = job.loss.item()
+    job.history.append(dict(ev, step=done, loss=loss, seconds=time.perf_counter() - job.t0))
+    if job.bar is not None:
+        job.bar.write(f"step {done}: loss {loss:.4f}, held-out top-1 {ev['top1']:.4f} top-5 {ev['top5']:.4f}")
+    if job.monitor is not None:
+        job.monitor.write_events([(f"Eval/{k}", v, done) for k, v in ev.items() if k.startswith("top")])
+
+
+def _save(job: Job, step: int) -> None:
+    if job.args.save_dir:
+        job.xc.save_checkpoint(job.args.save_dir, tag=f"step{step}", client_state={"step": step})
+
+
+# ---------------------------------------------------------------------- the end
+def _finish(job: Job) -> dict:
+    """The final evaluation, verification and checkpoint; returns the summary (written to --summary_json)."""
+    elapsed = time.perf_counter() - job.t0
+    if job.bar is not None:
+        job.bar.close()
+    ev = job.ev = _evaluate(job)
+    verified = _verify(job) if hasattr(job.data, "verification_set") else {}
+    final_loss = job.loss.item() if job.tcfg.max_steps > job.start else float("nan")
+    job.history.append(dict(ev, step=job.tcfg.max_steps, loss=final_loss, seconds=elapsed))
+    _save(job, job.tcfg.max_steps)
+    xc = job.xc
+    summary = {"steps": job.tcfg.max_steps - job.start, "samples_per_s": job.samples / max(elapsed, 1e-9),
                "top1": ev["top1"], "top5": ev["top5"], "eval_samples": ev["samples"],
-               "final_loss": final_loss, "seconds": elapsed, "world_size": world,
-               "evals": history, "sampler_stats": xc.head.sampler_stats(),
-               "compression_stats": compression_stats(), "overlap_stats": xc.overlap_stats().get("mean", {}),
+               "final_loss": final_loss, "seconds": elapsed, "world_size": job.world,
+               "evals": job.history, "sampler_stats": xc.head.sampler_stats(),
+               "compression_stats": _compression_stats(xc), "overlap_stats": xc.overlap_stats().get("mean", {}),
                "verification": verified,
                "reliability": xc.stats()}
-    if args.summary_json and rank == 0:
-        with open(args.summary_json, "w") as fh:
+    if job.args.summary_json and job.rank == 0:
+        with open(job.args.summary_json, "w") as fh:
             json.dump(summary, fh, indent=1)
-    say(f"done: {summary['steps']} steps in {elapsed:.1f} s, {summary['samples_per_s']:.0f} samples/s, "
+    return summary
+
+
+def _print_summary(job: Job, summary: dict) -> None:
+    ev, verified = job.ev, summary["verification"]
+    say(f"done: {summary['steps']} steps in {summary['seconds']:.1f} s, {summary['samples_per_s']:.0f} samples/s, "
         f"final loss {summary['final_loss']:.4f}, held-out top-1 {ev['top1']:.4f} top-5 {ev['top5']:.4f} "
         f"({ev['samples']} samples)")
     if verified:
@@ -247,20 +338,18 @@ def _train(args, raw: dict, xcfg, rank: int, world: int) -> dict:
             f"{verified['impostor_pairs']} impostor pairs)")
     comp = summary["compression_stats"]
     if comp:
-        say(f"gradient compression ({xcfg.gradient_compression.method}): density {comp.get('density', 0):.4f}, "
+        say(f"gradient compression ({job.xcfg.gradient_compression.method}): density {comp.get('density', 0):.4f}, "
             f"{comp.get('bytes_sent', 0) / 2**20:.1f} MiB sent by rank 0 "
             f"({comp.get('bytes_sent', 0) / max(comp.get('dense_bytes', 0), 1):.4f} of a dense all-reduce)")
-    if xc.stats()["skipped_steps"]:
-        say(f"skipped {xc.stats()['skipped_steps']} optimizer step(s) with NaN/Inf loss or gradients "
+    skipped = job.xc.stats()["skipped_steps"]
+    if skipped:
+        say(f"skipped {skipped} optimizer step(s) with NaN/Inf loss or gradients "
             f"(extreme_classification.nonfinite='skip'); see the warnings in the log")
     ov = summary["overlap_stats"]
     if ov:
-        say(f"overlap pipeline ({hcfg.overlap.num_chunks} chunks): per micro-step {ov['step_s'] * 1e3:.1f} ms, of "
-            f"which communication exposed {ov['exposed_s'] * 1e3:.1f} ms ({ov['issued']:.0f} collectives, "
+        say(f"overlap pipeline ({job.hcfg.overlap.num_chunks} chunks): per micro-step {ov['step_s'] * 1e3:.1f} ms, "
+            f"of which communication exposed {ov['exposed_s'] * 1e3:.1f} ms ({ov['issued']:.0f} collectives, "
             f"{ov['issued_mb']:.2f} MiB issued)")
-    dist.barrier()
-    dist.destroy_process_group()
-    return summary
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ This is test code, never imported by ds_xc. The fault fires on rank ``rank`` the
 * ``phase:<name>``: entering ``XCEngine.in_phase(name)`` (ds_xc.engine.PHASES: forward,
   backward, gradient reduction, optimizer step, checkpoint save, index rebuild, evaluation);
 * ``call:<module>:<attr>[.<attr>]``: a call of that function or method, e.g.
-  ``call:ds_xc.engine:save_head_state`` (writing the head shard of a checkpoint),
-  ``call:ds_xc.checkpoint:write_latest`` (rank 0 publishing ``latest``).
+  ``call:ds_xc.engine.checkpointing:save_head_state`` (writing the head shard of a checkpoint),
+  ``call:ds_xc.checkpoint.files:write_latest`` (rank 0 publishing ``latest``).
 
 Actions: ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP itself: alive, never answering; the
 test kills it), ``fill`` (fill the file system of ``fill`` up to its last bytes and go on, so

@@ -28,8 +28,8 @@ def _ds_config(gas, bf16=False, stage=0, clip=0.0):
 
 def _engine(gas, comp, bf16=False, stage=0, clip=0.0, momentum=0.0):
     from ds_xc.compression import attach_to_engine
-    from ds_xc.engine import _cpu_friendly_deepspeed
-    deepspeed = _cpu_friendly_deepspeed()
+    from ds_xc.engine import cpu_friendly_deepspeed
+    deepspeed = cpu_friendly_deepspeed()
     body = _body()
     engine, _, _, _ = deepspeed.initialize(model=body, optimizer=torch.optim.SGD(body.parameters(), lr=LR,
                                                                                  momentum=momentum),

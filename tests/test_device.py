@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from ds_xc import checkpoint as ckpt
-from ds_xc import engine as xc_engine
+from ds_xc.engine import rng as xc_rng
 from ds_xc.head import ClassParallelHead
 from ds_xc.head.optim import HeadAdamW, HeadSGD, build_head_optimizer
 from ds_xc.overlap import Timeline
@@ -249,10 +249,10 @@ def test_reshard_replaces_a_cuda_generator_state_by_cpu_streams_per_rank(tmp_pat
 
 
 def test_rng_file_is_read_to_cpu_and_extra_cuda_states_are_left(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(xc_engine, "_world", lambda: (0, 1))
-    state = xc_engine._rng_state()
+    monkeypatch.setattr(xc_rng, "world_rank_and_size", lambda: (0, 1))
+    state = xc_rng.rng_state()
     state["cuda"] = [torch.full((16,), i, dtype=torch.uint8) for i in range(2)]  # saved on 2 GPUs
-    path = xc_engine._rng_file(str(tmp_path))
+    path = xc_rng.rng_file(str(tmp_path))
     ckpt.atomic_save(state, path)
     seen, restored = [], []
     real_load = torch.load
@@ -266,7 +266,7 @@ def test_rng_file_is_read_to_cpu_and_extra_cuda_states_are_left(tmp_path, monkey
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, i: restored.append((i, s.device.type, int(s[0]))))
     with caplog.at_level(logging.WARNING, logger="ds_xc.engine"):
-        xc_engine._apply_rng_state(xc_engine._read_rng_state(str(tmp_path)), str(tmp_path))
+        xc_rng.apply_rng_state(xc_rng.read_rng_state(str(tmp_path)), str(tmp_path))
     assert seen == ["cpu"] and restored == [(0, "cpu", 0)]
     assert "CUDA RNG states of 2 device(s), this process sees 1" in caplog.text
 

@@ -52,9 +52,9 @@ ORDER = ["forward", "index rebuild", "backward", "gradient reduction", "optimize
          "evaluation"]
 DS_SAVE = "call:deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine:TorchCheckpointEngine.save"
 SAVE_POINTS = {  # points inside xc.save_checkpoint, with the rank that can reach them
-    "call:ds_xc.engine:save_head_state": (0, 1), "call:ds_xc.engine:atomic_save": (0, 1), DS_SAVE: (0,),
-    "call:ds_xc.engine:write_manifest_all_ranks": (0, 1), "call:ds_xc.engine:publish_tag": (0,),
-    "call:ds_xc.checkpoint:write_latest": (0,)}
+    "call:ds_xc.engine.checkpointing:save_head_state": (0, 1), "call:ds_xc.engine.checkpointing:atomic_save": (0, 1),
+    DS_SAVE: (0,), "call:ds_xc.engine.checkpointing:write_manifest_all_ranks": (0, 1),
+    "call:ds_xc.engine.checkpointing:publish_tag": (0,), "call:ds_xc.checkpoint.files:write_latest": (0,)}
 STEP_POINTS = {"call:ds_xc.head.head:ClassParallelHead.forward": "forward",
                "call:deepspeed.runtime.engine:DeepSpeedEngine.step": "optimizer step"}
 
@@ -83,7 +83,7 @@ def _draw_cases() -> list:
 
 
 CASES = _draw_cases()
-BUCKET = "call:ds_xc.overlap.buckets:BucketedGradReducer._launch"  # one gradient bucket issued (in the backward)
+BUCKET = "call:ds_xc.parallel.buckets:BucketedGradReducer._launch"  # one gradient bucket issued (in the backward)
 CFG_OVERLAP = json.loads(json.dumps(CFG))
 CFG_OVERLAP["extreme_classification"]["overlap"] = {"enabled": True, "num_chunks": 2, "bucket_size_mb": 1e-5}
 _R = random.Random(FAULT_SEED + 2)

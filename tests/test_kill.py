@@ -60,7 +60,7 @@ def _saver(save_dir, where, ready):
         xc.engine.checkpoint_engine.save = lambda state_dict, path: stall(path)
         xc.save_checkpoint(save_dir, tag="step2", client_state={"step": 2})
     else:  # re-save the tag `latest` names, killed while writing the head shard
-        import ds_xc.engine as eng
+        import ds_xc.engine.checkpointing as eng
         eng.save_head_state = lambda tag_dir, head, opt: stall(os.path.join(tag_dir, "ds_xc_head", "x.pt"))
         xc.save_checkpoint(save_dir, tag="step1", client_state={"step": 1})
 

@@ -6,7 +6,7 @@ communicate in ``step()``, which the engine calls once per gradient-accumulation
 boundary. So :func:`attach_to_engine` wraps ``engine.optimizer`` (the client optimizer,
 or DeepSpeed's bf16 wrapper around it) in a :class:`CompressedOptimizer` that reduces the
 gradients of the engine module's parameters. The head lives outside the engine
-(ds_xc/engine.py) and is untouched.
+(ds_xc/engine/) and is untouched.
 
 Gradient accumulation: ``engine.backward`` divides the loss by
 ``gradient_accumulation_steps`` whether or not the backward all-reduce is on

@@ -16,8 +16,8 @@ Small tensors, the first ``warmup_steps`` steps and ``method: none`` use a dense
 all-reduce. Every rank rebuilds the mean from the same gathered data in the same
 order, so replicas stay bit-identical. The residuals, momentum, thresholds and the
 step counter (which seeds all random draws) live in ``self.state`` and round-trip
-through ``state_dict()``. ``param_groups`` is the wrapped optimizer's list, so LR
-schedulers and DeepSpeed's ``get_lr`` see the real learning rates.
+through ``state_dict()`` (ds_xc/compression/state.py). ``param_groups`` is the wrapped
+optimizer's list, so LR schedulers and DeepSpeed's ``get_lr`` see the real learning rates.
 """
 from __future__ import annotations
 
@@ -31,19 +31,17 @@ import torch.distributed as dist
 from ds_xc.compression.compressors import allocate_densities, build_compressor
 from ds_xc.compression.config import GradientCompressionConfig, parse_compression
 from ds_xc.compression.layout import plan_layout
+from ds_xc.compression.state import CompressionState
 from ds_xc.compression.transport import (DTYPES, NodeGroups, WireCounter, all_gather_slices, allreduce_bytes,
                                          build_node_groups, dense_allreduce_mean_, reduce_scatter_sum,
                                          sparse_allgather_mean, values_allreduce_mean)
-from ds_xc.parallel.agree import agree, all_or_none
-from ds_xc.parallel.groups import group_rank, group_size, is_distributed
+from ds_xc.parallel.groups import group_size, is_distributed
 
 log = logging.getLogger(__name__)
 
 __all__ = ["CompressedOptimizer"]
 
-_FORMAT = 1
 _MASK64 = (1 << 64) - 1
-_BUFFERS = ("residual", "momentum")
 _RESYNC = 1.5  # bayes_prior: a global density off by this factor triggers a statistics sync
 
 
@@ -62,7 +60,7 @@ def _generator(seed: int, device: torch.device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
-class CompressedOptimizer(torch.optim.Optimizer):
+class CompressedOptimizer(CompressionState, torch.optim.Optimizer):
     """Wraps ``optimizer`` (replicated over ``group``): compressed gradient mean, then its step.
 
     Args:
@@ -178,6 +176,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self.reduce_gradients()
         self.inner.step()
         return loss
+
+    def skip_next_reduction(self) -> None:
+        """Make the next :meth:`step` step the wrapped optimizer only (this step's gradients were
+        reduced elsewhere, or the step is being skipped and the residuals must stay as they are)."""
+        self._reduced_by_hooks = True
 
     def overlapped_reducer(self, timeline=None, bucket_bytes: int = 4 << 20, comm_group=None):
         """A reducer that runs this wrapper's compressed reduction in buckets from backward hooks
@@ -410,88 +413,3 @@ class CompressedOptimizer(torch.optim.Optimizer):
                    last=dict(self._last))
         out["compression_ratio"] = out["dense_bytes"] / max(out["bytes_sent"], 1)
         return out
-
-    # ------------------------------------------------------------------ checkpoints
-    def compression_state_dict(self, rank_state: bool = True) -> dict:
-        """The wrapper's own state; ``rank_state`` adds this rank's residuals and thresholds."""
-        out = {"format": _FORMAT, "method": self.config.method, "world_size": self.world_size,
-               "ranks_per_node": self.nodes.local_size if self.nodes is not None else 1,
-               "rank": group_rank(self.group), "step": self._step, "resync": self._resync,
-               "numels": [p.numel() for p in self._params],
-               "counters": dict(self.counter.snapshot(), **self._tally)}
-        if rank_state:
-            out["state"] = {i: dict(self.state[p]) for i, p in enumerate(self._params) if self.state[p]}
-        return out
-
-    def load_compression_state_dict(self, state: dict) -> None:
-        """Restore :meth:`compression_state_dict`; another world size restarts the residuals (warning)."""
-        self._check_compatible(state)
-        self._step = int(state["step"])
-        self._resync = bool(state.get("resync", False))
-        counters = dict(state.get("counters", {}))
-        for key in self._tally:
-            self._tally[key] = int(counters.pop(key, 0))
-        for key, value in counters.items():
-            setattr(self.counter, key, int(value))
-        ranks_per_node = self.nodes.local_size if self.nodes is not None else 1
-        if (state["world_size"], state["ranks_per_node"]) != (self.world_size, ranks_per_node):
-            log.warning("compression state saved on %d ranks (%d per node), resumed on %d (%d per node): "
-                        "error-feedback residuals and thresholds restart from zero", state["world_size"],
-                        state["ranks_per_node"], self.world_size, ranks_per_node)
-            self._restart_rank_state()
-            return
-        for i, saved in state.get("state", {}).items():
-            tstate = self.state[self._params[int(i)]]
-            for key, value in saved.items():
-                if key in _BUFFERS:
-                    if key in tstate:
-                        tstate[key].copy_(value)
-                else:
-                    tstate[key] = value.clone() if torch.is_tensor(value) else value
-
-    def check_compression_state(self, state) -> None:
-        """Raise ValueError when ``state`` is not a compression state this optimizer can load
-        (format, the number and sizes of its tensors, world size and step fields); changes nothing."""
-        if not isinstance(state, dict):
-            raise ValueError(f"compression state is a {type(state).__name__}; expected a dict")
-        missing = [k for k in ("format", "numels", "step", "world_size", "ranks_per_node") if k not in state]
-        if missing:
-            raise ValueError(f"compression state lacks {missing}")
-        self._check_compatible(state)
-
-    def _check_compatible(self, state: dict) -> None:
-        if state.get("format") != _FORMAT:
-            raise ValueError(f"compression state format {state.get('format')!r}: expected {_FORMAT}")
-        numels = [p.numel() for p in self._params]
-        if list(state["numels"]) != numels:
-            raise ValueError(f"compression state holds {len(state['numels'])} tensors of sizes "
-                             f"{state['numels'][:8]}...; this optimizer reduces {len(numels)} of sizes {numels[:8]}...")
-
-    def _restart_rank_state(self) -> None:
-        for buf in self._buffers.values():
-            buf.zero_()
-        for p in self._params:
-            for key in [k for k in self.state[p] if k not in _BUFFERS]:
-                del self.state[p][key]
-
-    def state_dict(self) -> dict:
-        """{"inner": the wrapped optimizer's state_dict, "compression": the wrapper's state}."""
-        return {"inner": self.inner.state_dict(),
-                "compression": self.compression_state_dict(rank_state=self.rank_state_in_state_dict)}
-
-    def load_state_dict(self, state_dict: dict, **kwargs) -> None:
-        """Load both parts; ``kwargs`` go to the wrapped optimizer (DeepSpeed passes some).
-
-        Collective over ``self.group`` (DeepSpeed calls it on every rank): the ranks check the
-        compression part and agree on the outcome and the step before anything is loaded."""
-        if not ("inner" in state_dict and "compression" in state_dict):
-            log.warning("optimizer state without a 'compression' part (saved uncompressed?): loading it into "
-                        "the wrapped optimizer; error-feedback residuals start from zero")
-            self.inner.load_state_dict(state_dict, **kwargs)
-            return
-        with all_or_none("CompressedOptimizer.load_state_dict (checking the compression state)", self.group):
-            self.check_compression_state(state_dict["compression"])  # before anything is loaded
-        agree(int(state_dict["compression"]["step"]), "the compression step of the optimizer state being loaded",
-              self.group)
-        self.inner.load_state_dict(state_dict["inner"], **kwargs)
-        self.load_compression_state_dict(state_dict["compression"])

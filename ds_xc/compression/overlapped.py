@@ -3,7 +3,7 @@
 CompressedOptimizer.reduce_gradients() compresses and exchanges all gradients in
 ``step()``, after the backward. This reducer does the same work bucket by bucket while the
 backward is still running: once a bucket's gradients are final (see
-ds_xc.overlap.buckets), its compressed tensors are accumulated into the error-feedback
+ds_xc.parallel.buckets), its compressed tensors are accumulated into the error-feedback
 residual, their thresholds synced when due, their entries selected, and the sparse
 payload's all-gather issued asynchronously; small tensors of the bucket go in an
 async dense all-reduce. ``finish()`` waits, decodes the means into ``.grad`` and
@@ -24,8 +24,8 @@ import torch.distributed as dist
 from ds_xc.compression.config import COMPRESSION_SECTION
 from ds_xc.compression.transport import allreduce_bytes, start_sparse_allgather_mean
 from ds_xc.config import ConfigError, HEAD_SECTION
-from ds_xc.overlap.buckets import BucketedGradReducer
-from ds_xc.overlap.timeline import wait_work
+from ds_xc.parallel.buckets import BucketedGradReducer
+from ds_xc.parallel.timeline import wait_work
 
 __all__ = ["OverlappedCompressedReducer"]
 

@@ -26,9 +26,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ds_xc.overlap.timeline import wait_work
 from ds_xc.parallel.collectives import gather_flat, reduce_scatter_flat
 from ds_xc.parallel.groups import group_rank, group_size, is_distributed, new_group
+from ds_xc.parallel.timeline import wait_work
 
 __all__ = ["BLOCK", "WireCounter", "sparse_allgather_mean", "start_sparse_allgather_mean", "PendingSparseMean", "values_allreduce_mean", "dense_allreduce_mean_",
            "NodeGroups", "build_node_groups", "reduce_scatter_sum", "all_gather_slices", "DTYPES"]

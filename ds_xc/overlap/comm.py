@@ -12,9 +12,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from ds_xc.overlap.timeline import Timeline, wait_work
 from ds_xc.parallel.collectives import gather_flat, reduce_scatter_flat
 from ds_xc.parallel.groups import group_size, is_distributed
+from ds_xc.parallel.timeline import Timeline, wait_work
 
 __all__ = ["PendingGather", "PendingReduceScatter", "split_sizes"]
 

@@ -15,9 +15,9 @@ import logging
 import torch
 
 from ds_xc.config import HEAD_SECTION, ConfigError
-from ds_xc.overlap.buckets import BucketedGradReducer
 from ds_xc.overlap.schedule import ChunkedHeadSchedule
-from ds_xc.overlap.timeline import Timeline
+from ds_xc.parallel.buckets import BucketedGradReducer
+from ds_xc.parallel.timeline import Timeline
 
 log = logging.getLogger(__name__)
 

@@ -49,3 +49,25 @@ def new_group(ranks=None, backend=None):
     import datetime
     timeout = None if _COMM_TIMEOUT_S[0] is None else datetime.timedelta(seconds=_COMM_TIMEOUT_S[0])
     return dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
+
+
+def world_rank_and_size() -> tuple[int, int]:
+    """(rank, size) of this process in the world; (0, 1) without torch.distributed.
+
+    For naming per-rank files (RNG states, manifest shares) and for messages only: a
+    collective still takes its explicit group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def copy_group(group: ProcessGroup = None):
+    """A new process group with the same ranks as ``group`` (None: the world), on the same
+    backend and with the timeout of :func:`set_comm_timeout`; None in a single process.
+
+    Traffic on the copy never queues behind collectives on ``group`` (collective: every
+    rank calls it)."""
+    if not is_distributed(group):
+        return None
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    return new_group(ranks=ranks, backend=dist.get_backend(group))

@@ -1,0 +1,116 @@
+"""Section ``gradient_compression``: how the data-parallel backbone gradients are reduced.
+
+One pydantic model per section, ``extra="forbid"``, bounds next to the fields, cross-field
+rules in a model validator (the style of ds_xc/config.py). :func:`parse_compression`
+validates a dict (or passes a validated model through) and raises
+:class:`ds_xc.config_base.ConfigError` (the same class as ``ds_xc.config.ConfigError``)
+naming the key path, the value and what is allowed. ds_xc.compression.config re-exports it.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from ds_xc.config_base import COMPRESSION_SECTION, ConfigError, Section, validate_section
+
+__all__ = ["COMPRESSION_SECTION", "PriorConfig", "HierarchyConfig", "GradientCompressionConfig",
+           "parse_compression", "ConfigError"]
+
+
+class PriorConfig(Section):
+    """Exploration mixed into bayes_prior sampling (the Bayes prior on the gradient distribution).
+
+    Exploitation keeps element i with probability min(1, |v_i| / tau), tau set for
+    ``(1 - strength) * density``; exploration adds an independent draw with probability
+    ``strength * density * w_b`` where w_b depends on the log-magnitude bin b of v_i.
+    """
+    form: Literal["uniform", "dirichlet"] = Field(
+        "uniform", description="uniform: w_b = 1 (every element equally likely to be explored); "
+        "dirichlet: w_b = n * pi_b / c_b with Dirichlet posterior mean pi_b = (c_b + a) / (N + B a) "
+        "over the B bins of the global histogram (c_b elements in bin b), so sparsely populated "
+        "magnitudes are explored more as the pseudo-count a grows.")
+    strength: float = Field(0.1, ge=0.0, lt=1.0,
+                            description="Share alpha of the density budget spent on exploration.")
+    pseudo_count: float = Field(1.0, ge=0.0, le=1e9, description="Dirichlet pseudo-count a per bin "
+                                "(form dirichlet only); 0 makes dirichlet equal to uniform.")
+
+
+class HierarchyConfig(Section):
+    """Node-aware reduction: dense inside a node, compressed across nodes."""
+    ranks_per_node: int = Field(
+        0, ge=0, le=1 << 16, description="Consecutive ranks of the group form a node (the launchers' "
+        "rank order). 0 or 1: off (every rank exchanges compressed gradients with every other). "
+        "> 1: reduce-scatter densely inside the node, exchange each slice sparsely with the same "
+        "local rank of the other nodes, all-gather inside the node. Must divide the group size.")
+
+
+class GradientCompressionConfig(Section):
+    """Section ``gradient_compression``: compressed data-parallel reduction of the backbone gradients."""
+    method: Literal["none", "topk", "randomk", "bayes_prior"] = Field(
+        "bayes_prior", description="none: dense all-reduce; topk: the k largest |v| per tensor "
+        "(torch.topk); randomk: k random elements per tensor from a seed shared by the ranks "
+        "(values-only all-reduce); bayes_prior: sampling from the global |v| distribution.")
+    density: float = Field(0.01, gt=0.0, le=1.0, description="Fraction of each compressed tensor's "
+                           "elements sent per step (target; exact for topk/randomk, expected for bayes_prior).")
+    error_feedback: bool = Field(True, description="Keep what was not sent (v - sent) and add it to "
+                                 "the next step's gradient.")
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps reduced densely before compression starts.")
+    stats_sync_interval: int = Field(10, ge=1, le=1 << 20, description="bayes_prior: steps between "
+                                     "all-reduces of the |v| histograms that set the thresholds (and, "
+                                     "with allocation nonzero, between measurements of the allocation).")
+    stats_samples: int = Field(262144, ge=0, description="bayes_prior: elements per tensor and rank "
+                               "drawn (uniformly) into the histogram at a sync; 0 = every element.")
+    exploit_power: float = Field(1.0, ge=1.0, le=64.0, description="bayes_prior: exponent k of the "
+                                 "exploitation probability min(1, (|v|/tau)^k); 1 = proportional to |v| "
+                                 "(PAPERS.md), larger = closer to a hard threshold (top-k like).")
+    prior: PriorConfig = Field(default_factory=PriorConfig, description="bayes_prior exploration.")
+    bins: int = Field(128, ge=16, le=4096, description="bayes_prior: log2-spaced histogram bins over "
+                      "the 32 octaves below the global max |v| of a tensor.")
+    min_numel: int = Field(4096, ge=1, description="Tensors with fewer elements are reduced densely.")
+    granularity: Literal["tensor", "bucket"] = Field(
+        "tensor", description="tensor: each compressed tensor sends its own density share (own threshold); "
+        "bucket: one selection over all compressed tensors together, the budget going to the largest "
+        "|v| wherever they are.")
+    allocation: Literal["auto", "nonzero", "numel"] = Field(
+        "auto", description="How the budget (density x all compressed elements) is shared among the "
+        "tensors (granularity tensor). nonzero: in proportion to the nonzero elements of their fresh "
+        "gradients (summed over the ranks, re-measured every stats_sync_interval steps; at least "
+        "density x size), so a row-sparse embedding gradient does not take the budget of dense layers "
+        "and every nonzero waits about as long in the residual; numel: each tensor sends density x its "
+        "size; auto: nonzero for the magnitude-aware methods (topk, bayes_prior), numel for randomk "
+        "(whose uniform draws reach every element equally often, zero or not). nonzero and numel agree "
+        "when no gradient element is exactly zero.")
+    value_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Dtype of the values on the wire (indices travel as 16-bit offsets "
+        "inside 65536-element blocks plus one int32 count per block). The part lost by rounding "
+        "stays in the residual.")
+    momentum_correction: float = Field(0.0, ge=0.0, lt=1.0, description="DGC momentum m: accumulate "
+                                       "u = m u + g locally, compress u, zero u where sent. Use an inner "
+                                       "optimizer without momentum. 0 = off.")
+    hierarchy: HierarchyConfig = Field(default_factory=HierarchyConfig, description="Node groups.")
+    seed: int = Field(0, ge=0, lt=2**62, description="Seed of the random-k indices and the sampling.")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.momentum_correction > 0.0 and not self.error_feedback:
+            raise ValueError(f"momentum_correction={self.momentum_correction} needs error_feedback=true "
+                             "(momentum correction accumulates what was not sent)")
+        return self
+
+    @property
+    def resolved_allocation(self) -> str:
+        """``allocation`` with ``auto`` resolved: numel for randomk, nonzero otherwise."""
+        if self.allocation != "auto":
+            return self.allocation
+        return "numel" if self.method == "randomk" else "nonzero"
+
+    @property
+    def enabled(self) -> bool:
+        """True when the section asks for a compressed reduction (method other than none)."""
+        return self.method != "none"
+
+
+def parse_compression(value: Any, prefix: str = COMPRESSION_SECTION) -> GradientCompressionConfig:
+    """Validate the ``gradient_compression`` section (a dict, or a model passed through)."""
+    return validate_section(GradientCompressionConfig, value, prefix)

@@ -1,0 +1,305 @@
+"""XCEngine: one training step of a DeepSpeed engine (the backbone) and a ClassParallelHead.
+
+The step: forward, backward and the optimizer step at the engine's accumulation
+boundaries (head first, then the engine), the phase markers that name where a rank was
+when a collective failed, and non-finite step skipping (every rank's verdict all-reduced,
+the step skipped on every rank alike). Checkpoints are in :mod:`ds_xc.engine.checkpointing`,
+building the engine from a config in :mod:`ds_xc.engine.setup`.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ds_xc import config as cfg
+from ds_xc.engine.checkpointing import load_engine_checkpoint, save_engine_checkpoint
+from ds_xc.head import ClassParallelHead
+from ds_xc.manifest import raise_if_disk_full
+from ds_xc.peers import is_comm_failure
+
+log = logging.getLogger(__name__)
+
+__all__ = ["XCEngine", "PHASES"]
+
+# what XCEngine.phase can name: the part of a step a rank is in, for the message of a failed collective
+PHASES = ("setup", "forward", "backward", "gradient reduction", "optimizer step", "checkpoint save",
+          "checkpoint load", "index rebuild", "evaluation", "overlapped forward-backward")
+
+
+
+class _Phase:
+    """``with xc.in_phase(name):`` sets ``xc.phase`` for the block; an exception leaves it set (the
+    failure handler reads it), a normal exit restores the enclosing phase. Two attribute writes."""
+
+    __slots__ = ("xc", "name", "prev")
+
+    def __init__(self, xc, name: str):
+        self.xc, self.name = xc, name
+
+    def __enter__(self):
+        self.prev, self.xc.phase = self.xc.phase, self.name
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            self.xc.phase = self.prev
+        return False
+
+
+@dataclass
+class XCEngine:
+    """A DeepSpeed engine (the backbone) stepped together with a ClassParallelHead.
+
+    ``loss = xc(inputs, labels); xc.backward(loss); xc.step()`` is one micro-step; the head
+    optimizer steps when the engine reaches a gradient-accumulation boundary.
+    """
+
+    engine: Any
+    head: ClassParallelHead
+    head_optimizer: torch.optim.Optimizer
+    config: cfg.XCConfig
+    lr_scheduler: Any = None
+    base_lr: Optional[float] = None
+    compression: Any = None  # the CompressedOptimizer reducing the backbone, when configured
+    schedule: Any = None  # ds_xc.overlap.ChunkedHeadSchedule, when extreme_classification.overlap.enabled
+    grad_reducer: Any = None  # ds_xc.overlap.BucketedGradReducer, when overlap_grad_reduce is on
+    flag_group: Any = None  # a gloo group of the world for the per-step non-finite verdict (off the bucket traffic)
+    peers: list = field(default_factory=list)  # [(hostname, pid)] per world rank, to name a lost peer
+    skipped_steps: int = 0  # optimizer steps skipped for NaN/Inf (extreme_classification.nonfinite="skip")
+    _window_bad: bool = False  # a micro-step of the current accumulation window had a non-finite loss
+    phase: str = "setup"  # the part of the step this rank is in (one of PHASES), named when a collective fails
+
+    def in_phase(self, name: str) -> _Phase:
+        """A context manager marking a part of the step (see PHASES), e.g. ``with xc.in_phase("evaluation"):``."""
+        return _Phase(self, name)
+
+    def where(self) -> str:
+        """'during <phase> at global step N' (N: optimizer steps completed), for error messages."""
+        return f"during {self.phase} at global step {self.global_steps}"
+
+    def __call__(self, inputs, labels, batch_sizes=None) -> torch.Tensor:
+        with self.in_phase("forward"):
+            return self.head(self.engine(inputs), labels, batch_sizes)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """engine.backward(loss), unless the loss is NaN/Inf: then no backward runs and the step is skipped.
+
+        The loss is the global-batch mean, the same value on every rank, so every rank takes this
+        decision alike without communicating (and nobody waits in DeepSpeed's gradient all-reduce)."""
+        if self._loss_is_finite(loss):
+            with self.in_phase("backward"):
+                self.engine.backward(loss)
+
+    def _loss_is_finite(self, loss: torch.Tensor) -> bool:
+        if bool(torch.isfinite(loss.detach()).all()):
+            return True
+        if self.config.extreme_classification.nonfinite == "raise":
+            raise FloatingPointError(f"the loss is {float(loss.detach())} at step {self.global_steps} on every rank "
+                                     f"({cfg.HEAD_SECTION}.nonfinite='raise')")
+        self._window_bad = True
+        return False
+
+    def forward_backward(self, inputs, labels, batch_sizes=None) -> torch.Tensor:
+        """One micro-step's forward and backward; returns the global-batch mean loss (detached).
+
+        With ``extreme_classification.overlap.enabled`` this is the overlapped schedule
+        (ds_xc/overlap): the head runs in micro-chunks with its gathers and reduce-scatters
+        in flight, the backbone's backward starts per chunk, and its gradients are reduced in
+        buckets during the backward. Otherwise ``loss = xc(inputs, labels); xc.backward(loss)``.
+        Follow it with :meth:`step` as usual.
+        """
+        if self.schedule is None:
+            loss = self(inputs, labels, batch_sizes)
+            self.backward(loss)
+            return loss.detach()
+        from ds_xc.overlap.run import overlapped_micro_step
+        with self.in_phase("overlapped forward-backward"):
+            loss = overlapped_micro_step(self, inputs, labels, batch_sizes)
+        self._loss_is_finite(loss)  # the chunks' backward may have run already: step() skips the update
+        return loss
+
+    def overlap_stats(self) -> dict:
+        """The overlap timeline: {"last": the last micro-step, "mean": means over all} (empty when off)."""
+        if self.schedule is None:
+            return {}
+        tl = self.schedule.timeline
+        return {"last": dict(tl.last), "mean": tl.summary()}
+
+    def step(self) -> None:
+        """Optimizer step at gradient-accumulation boundaries (a no-op between them, as engine.step).
+
+        The head steps first, with the learning rate the backbone uses in this step: its
+        update does not depend on the backbone's gradients, so with the overlap pipeline it
+        runs while the backbone's gradient buckets are still on the wire; then the buckets
+        are waited for and the engine steps.
+        """
+        with self.in_phase("optimizer step"):
+            self._step()
+
+    def _step(self) -> None:
+        boundary = self.engine.is_gradient_accumulation_boundary()
+        if boundary and self._step_is_bad():
+            self._skip_step()
+            return
+        if boundary:
+            head_cfg = self.config.extreme_classification.optimizer
+            if head_cfg.lr_schedule == "follow_engine" and self.base_lr:
+                ratio = self.engine.get_lr()[0] / self.base_lr
+                for group in self.head_optimizer.param_groups:
+                    group["lr"] = head_cfg.lr * ratio
+            self.head_optimizer.step()
+            self.head_optimizer.zero_grad(set_to_none=True)
+            if self.grad_reducer is not None:
+                with self.in_phase("gradient reduction"):
+                    self.grad_reducer.finish()
+        self.engine.step()
+        if self.schedule is not None:
+            from ds_xc.overlap.run import end_micro_step
+            end_micro_step(self)
+
+    # ------------------------------------------------------------------ non-finite steps
+    def _grads_finite(self) -> bool:
+        """This rank's head gradient and the backbone gradients the engine's optimizer will use are finite.
+
+        Where those live depends on the mode: ``.grad`` under ZeRO 0 (fp32, and bf16 through
+        DeepSpeed's fp16-style wrapper); DeepSpeed's partitioned flat buffers under ZeRO 1/2
+        (checked with the optimizer's own public overflow test, this rank's partition); the
+        bf16 optimizer's fp32 gradients (``get_grads_for_norm``) with bf16 + ZeRO 1 and fp32
+        accumulation."""
+        head_grad = self.head.weight.grad
+        if head_grad is not None and not _finite(head_grad._values() if head_grad.is_sparse else head_grad):
+            return False
+        opt = self.engine.optimizer
+        if self.engine.zero_optimization_stage() in (1, 2) and hasattr(opt, "has_overflow_partitioned_grads_serial"):
+            if getattr(opt, "cpu_offload", False):
+                return not bool(getattr(opt, "local_overflow", False))
+            return not bool(opt.has_overflow_partitioned_grads_serial())
+        if hasattr(opt, "get_grads_for_norm") and hasattr(opt, "fp32_groups_gradients_flat"):
+            grads, expert = opt.get_grads_for_norm()
+            if not all(_finite(g) for g in list(grads) + [g for gs in expert.values() for g in gs]):
+                return False
+        return all(p.grad is None or _finite(p.grad) for p in self.engine.module.parameters())
+
+    def _step_is_bad(self) -> bool:
+        """Every rank's verdict on this accumulation window (non-finite loss or gradients), all-reduced."""
+        bad = self._window_bad or not self._grads_finite()
+        self._window_bad = False
+        flag = torch.tensor([1.0 if bad else 0.0])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.flag_group)
+        if not flag.item():
+            return False
+        if self.config.extreme_classification.nonfinite == "raise":
+            raise FloatingPointError(f"NaN/Inf gradients at step {self.global_steps} (on this rank: {bad}; "
+                                     f"{cfg.HEAD_SECTION}.nonfinite='raise')")
+        return True
+
+    def _skip_step(self) -> None:
+        """End the window without changing a weight or an optimizer state, on every rank alike.
+
+        The engine still steps (its counters, gradient clearing and wrappers' bookkeeping run as
+        usual) but its innermost optimizer's step is a no-op and its lr scheduler does not move,
+        as DeepSpeed does for an fp16 overflow. Buckets already in flight are completed first;
+        their error-feedback residuals (overlap + compression) held this step's gradients and
+        restart from zero.
+        """
+        reducer, comp = self.grad_reducer, self.compression
+        if reducer is not None and reducer.armed:
+            reducer.finish()  # every rank armed it: complete the collectives in flight
+            if comp is not None:
+                comp.restart_rank_state()
+        elif comp is not None:
+            comp.skip_next_reduction()  # skip its reduction: the residuals stay as they were
+        self.head_optimizer.zero_grad(set_to_none=True)
+        log.warning("step %d skipped: NaN/Inf loss or gradients on some rank (%s.nonfinite='skip'; %d skipped "
+                    "so far)", self.global_steps, cfg.HEAD_SECTION, self.skipped_steps + 1)
+        counted = self.engine.skipped_steps
+        with _without_update(self.engine):
+            self.engine.step()
+        if self.engine.skipped_steps == counted:  # DeepSpeed's optimizer did not see an overflow itself
+            self.engine.skipped_steps += 1
+        self.skipped_steps += 1
+        if self.schedule is not None:
+            from ds_xc.overlap.run import end_micro_step
+            end_micro_step(self)
+
+    def stats(self) -> dict:
+        """Reliability counters: optimizer steps skipped for NaN/Inf, and micro-steps whose
+        embeddings were non-finite (this rank's head saw them)."""
+        return {"skipped_steps": self.skipped_steps, "nonfinite_inputs": self.head.nonfinite_inputs}
+
+    def train(self, mode: bool = True) -> "XCEngine":
+        self.engine.train(mode)
+        self.head.train(mode)
+        return self
+
+    def eval(self) -> "XCEngine":
+        return self.train(False)
+
+    @property
+    def global_steps(self) -> int:
+        return int(self.engine.global_steps)
+
+    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None) -> str:
+        """Save the engine's checkpoint plus every rank's head shard, residuals and RNG states.
+
+        Staged, so that a process killed at any point leaves the previous checkpoint and
+        ``latest`` as they were: every file goes into ``save_dir/.staging_<tag>`` (head shards,
+        compression residuals, RNG states, then DeepSpeed's files, with DeepSpeed told not to
+        touch ``latest``); then rank 0 fsyncs the files, renames the folder to
+        ``save_dir/<tag>`` and replaces ``latest`` atomically (write, fsync, rename).
+
+        Collective: the ranks first agree on the folder and the tag (a different one on one
+        rank is an error on every rank, before anything is written), and on the outcome of
+        each of their own steps (a rank that cannot write its files makes every rank raise;
+        nothing is published and ``latest`` keeps naming the previous checkpoint).
+        """
+        with self.in_phase("checkpoint save"):
+            try:
+                return self._save_checkpoint(save_dir, tag, client_state)
+            except Exception as exc:
+                if not is_comm_failure(exc):
+                    raise_if_disk_full(exc, save_dir)  # torch.save says "unexpected pos", not ENOSPC
+                raise
+
+    def _save_checkpoint(self, save_dir: str, tag: Optional[str], client_state: Optional[dict]) -> str:
+        return save_engine_checkpoint(self, save_dir, tag, client_state)
+
+    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None) -> Optional[dict]:
+        """Load engine + head (+ residuals, RNG states); returns the client state, or None when
+        there is no checkpoint. A head of another class count or world size is refused before
+        anything is loaded, with the command that reshards it.
+
+        Collective: the ranks agree on the folder and the tag (read from ``latest`` on each
+        rank), then every rank reads and checks all of its files (head shard, residuals, RNG
+        state, DeepSpeed's files present and readable) and the ranks agree that all succeeded;
+        a file missing or damaged on one rank raises on every rank and nothing is loaded."""
+        with self.in_phase("checkpoint load"):
+            client_state = load_engine_checkpoint(self, load_dir, tag)
+        if client_state is not None:
+            self.skipped_steps = int(client_state.get("ds_xc", {}).get("skipped_steps", 0))
+            self._window_bad = False
+        return client_state
+
+
+# ---------------------------------------------------------------------- helpers
+def _finite(t: torch.Tensor) -> bool:
+    return bool(torch.isfinite(t).all())
+
+
+@contextlib.contextmanager
+def _without_update(engine):
+    """engine.step() with its innermost optimizer's step a no-op and no lr-scheduler step."""
+    opt = getattr(engine, "basic_optimizer", None) or engine.optimizer
+    scheduler = engine.lr_scheduler
+    opt.step = lambda *args, **kwargs: None  # shadows the class method on this instance only
+    engine.lr_scheduler = None
+    try:
+        yield
+    finally:
+        del opt.step
+        engine.lr_scheduler = scheduler

@@ -1,0 +1,184 @@
+"""Building an XCEngine: the raw DeepSpeed config, checks of what ds_xc supports, the ranks'
+agreement on the config, torch.distributed's start, and :func:`initialize`.
+
+Why the head lives outside the engine: ``deepspeed.initialize`` broadcasts rank 0's
+parameters to every rank and the engine averages every gradient over the data-parallel
+group; ZeRO 1/2 even flattens and partitions parameters, mixing rank-distinct shards at
+lr=0 (see docs/deepspeed_cpu.md). A class shard is different on every rank and
+must only ever see its own gradient. So the engine gets the backbone alone, and the head
+gets its own optimizer, stepped at the engine's gradient-accumulation boundaries.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ds_xc import config as cfg
+from ds_xc.engine.core import XCEngine
+from ds_xc.head import ClassParallelHead, build_head_optimizer
+from ds_xc.parallel.agree import agree, all_or_none
+from ds_xc.parallel.groups import group_size, new_group, set_comm_timeout
+from ds_xc.peers import gather_peers
+
+log = logging.getLogger(__name__)
+
+__all__ = ["initialize", "init_distributed", "check_supported", "load_raw_config", "cpu_friendly_deepspeed"]
+
+
+def load_raw_config(config=None, args=None) -> dict:
+    """The whole DeepSpeed config as a dict, from ``config`` or ``args.deepspeed_config``."""
+    source = config if config is not None else getattr(args, "deepspeed_config", None)
+    if source is None:
+        raise cfg.ConfigError("no DeepSpeed config: pass config= (dict or path) or args.deepspeed_config")
+    return cfg.load_raw(source)
+
+
+def _raw_section(raw: dict, name: str) -> dict:
+    """``raw[name]`` as a dict ({} when absent or null); anything else is refused naming the section."""
+    value = raw.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise cfg.ConfigError(f"{name}: expected a JSON object (dict), got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_supported(raw: dict) -> None:
+    """Refuse, at start, combinations the head cannot train correctly."""
+    for name in ("fp16", "bf16", "zero_optimization", cfg.COMPRESSION_SECTION, cfg.HEAD_SECTION):
+        _raw_section(raw, name)  # DeepSpeed's own sections too: not an object is refused here, by name
+    if _raw_section(raw, "fp16").get("enabled", False):
+        raise cfg.ConfigError("fp16.enabled=true: fp16 loss scaling would scale the head's gradients; "
+                              "use bf16.enabled=true (or fp32) with ds_xc")
+    stage = _raw_section(raw, "zero_optimization").get("stage", 0)
+    if type(stage) is not int or stage not in (0, 1, 2):
+        raise cfg.ConfigError(f"zero_optimization.stage={stage!r}: ds_xc supports ZeRO stages 0, 1 and 2 "
+                              "for the backbone")
+    method = _raw_section(raw, cfg.COMPRESSION_SECTION).get("method", "bayes_prior")
+    if cfg.COMPRESSION_SECTION in raw and method != "none":  # refused before an engine is built
+        from ds_xc.compression.deepspeed import check_zero_stage
+        check_zero_stage(stage, method)
+    overlap = _raw_section(raw, cfg.HEAD_SECTION).get("overlap")
+    if overlap:
+        from ds_xc.overlap.run import check_overlap
+        check_overlap(cfg.validate_section(cfg.OverlapConfig, overlap, f"{cfg.HEAD_SECTION}.overlap"), int(stage),
+                      bool(_raw_section(raw, "bf16").get("enabled", False)))
+    if cfg.HEAD_SECTION not in raw:
+        raise cfg.ConfigError(f"the DeepSpeed config has no '{cfg.HEAD_SECTION}' section; add one with at "
+                              "least num_classes and embedding_dim")
+
+
+def cpu_friendly_deepspeed():
+    """Skip the shared-memory inference op that DeepSpeed JIT-builds on CPU (about a minute)."""
+    import deepspeed
+    if not torch.cuda.is_available():
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return deepspeed
+
+
+def init_distributed(timeout_s: float = 1800.0) -> None:
+    """Start torch.distributed the way DeepSpeed does (gloo on CPU, NCCL on GPU).
+
+    Without launcher variables (a plain ``python train.py``) it starts a one-process group.
+    """
+    import datetime
+    import socket
+    if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    deepspeed = cpu_friendly_deepspeed()
+    deepspeed.init_distributed(timeout=datetime.timedelta(seconds=timeout_s))
+    set_comm_timeout(timeout_s)  # for the groups ds_xc creates (torch would give them 30 minutes)
+
+
+def _base_lr(raw: dict, optimizer) -> Optional[float]:
+    if optimizer is not None and hasattr(optimizer, "param_groups"):
+        return float(optimizer.param_groups[0]["lr"])
+    lr = raw.get("optimizer", {}).get("params", {}).get("lr")
+    return float(lr) if lr else None
+
+
+
+def _agreed_config(raw: dict, head_group) -> cfg.XCConfig:
+    """Validate the config on every rank, check that every rank has the same one, and that each
+    rank of ``head_group`` gets at least one class; all before ``deepspeed.initialize`` runs.
+
+    A config that is invalid on one rank only, or differs between ranks, is an error on every
+    rank (naming the keys and the ranks' values) instead of a hang in DeepSpeed's first collective."""
+    world = dist.group.WORLD
+    with all_or_none("checking the DeepSpeed config", world):
+        check_supported(raw)
+        xc_config = cfg.parse_config(raw)
+    agree(raw, "the DeepSpeed config (config= / args.deepspeed_config)", world)
+    ranks, num_classes = group_size(head_group), xc_config.extreme_classification.num_classes
+    if num_classes < ranks:
+        raise cfg.ConfigError(f"{cfg.HEAD_SECTION}.num_classes={num_classes} is below the number of ranks the "
+                              f"classes are sharded over ({ranks}): every rank holds at least one class; use "
+                              f"num_classes >= {ranks}, or at most {num_classes} ranks")
+    return xc_config
+
+
+def initialize(args=None, model: torch.nn.Module = None, config=None, model_parameters=None,
+               optimizer=None, lr_scheduler=None, head_group=None, **ds_kwargs) -> XCEngine:
+    """Build the DeepSpeed engine for ``model`` (the backbone), the head and its optimizer.
+
+    ``config`` is the whole DeepSpeed config (dict or path; or pass ``args.deepspeed_config``);
+    its ``extreme_classification`` section describes the head. ``head_group`` is the group
+    the classes are sharded over (default: the world).
+    """
+    raw = load_raw_config(config, args)
+    deepspeed = cpu_friendly_deepspeed()
+    if not dist.is_initialized():  # single process so far: refuse a bad config before starting a group
+        check_supported(raw)
+        cfg.parse_config(raw)
+        init_distributed()  # a plain `python script.py` becomes a one-process group
+    xc_config = _agreed_config(raw, head_group)
+    if model_parameters is None:
+        model_parameters = [p for p in model.parameters() if p.requires_grad]
+    base_lr = _base_lr(raw, optimizer)
+    use_args_config = args is not None and getattr(args, "deepspeed_config", None) is not None
+    engine, _, _, scheduler = deepspeed.initialize(
+        args=args, model=model, model_parameters=model_parameters, optimizer=optimizer,
+        lr_scheduler=lr_scheduler, config=None if use_args_config else raw, **ds_kwargs)
+    head = ClassParallelHead.from_config(xc_config.extreme_classification, group=head_group,
+                                         device=engine.device)
+    head_optimizer = build_head_optimizer(head, xc_config.extreme_classification.optimizer)
+    compression = None
+    if xc_config.gradient_compression is not None and xc_config.gradient_compression.enabled:
+        from ds_xc.compression import attach_to_engine  # takes over the backbone's reduction
+        compression = attach_to_engine(engine, xc_config.gradient_compression)
+    schedule = reducer = None
+    if xc_config.extreme_classification.overlap.enabled:
+        from ds_xc.overlap.run import build_overlap
+        schedule, reducer = build_overlap(engine, head, xc_config.extreme_classification.overlap, compression)
+    flag_group = None
+    if dist.get_world_size() > 1:  # a group of its own: the verdict does not queue behind gradient buckets
+        flag_group = new_group(backend="gloo")
+    peers = gather_peers()
+    log.info("ds_xc: engine ready (ZeRO stage %d, bf16=%s), head shard %s", engine.zero_optimization_stage(),
+             engine.bfloat16_enabled(), head.extra_repr())
+    xc = XCEngine(engine=engine, head=head, head_optimizer=head_optimizer, config=xc_config,
+                  lr_scheduler=scheduler, base_lr=base_lr, compression=compression, schedule=schedule,
+                  grad_reducer=reducer, flag_group=flag_group, peers=peers)
+    _mark_phase(xc, engine, "allreduce_gradients", "gradient reduction")  # DeepSpeed's, inside engine.backward
+    _mark_phase(xc, head.sampler, "rebuild", "index rebuild")  # ANN index / kNN graph, inside the forward
+    return xc
+
+
+def _mark_phase(xc: XCEngine, obj, method: str, phase: str) -> None:
+    """Wrap ``obj.method`` (this instance only) in ``xc.in_phase(phase)``; a no-op when it has no such method."""
+    inner = getattr(obj, method, None)
+    if inner is None:
+        return
+
+    def marked(*args, **kwargs):
+        with xc.in_phase(phase):
+            return inner(*args, **kwargs)
+    setattr(obj, method, marked)

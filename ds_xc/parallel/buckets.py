@@ -1,0 +1,155 @@
+"""Backbone gradients reduced in buckets, issued from gradient hooks while the backward runs.
+
+The parameters are cut into buckets of about ``bucket_bytes`` in reverse registration
+order (roughly the order in which backward produces their gradients, as DDP assumes).
+Once :meth:`arm` has been called (before the last backward of a gradient-accumulation
+window), every parameter's post-accumulate-grad hook marks it ready; a bucket whose
+parameters are all ready is copied into its flat buffer and all-reduced asynchronously.
+Buckets are launched strictly in bucket order, so every rank issues the same
+collectives in the same order whatever the timing. :meth:`finish` launches what is left
+(parameters without a gradient count as zeros), waits, and writes the mean over the
+group back into each ``.grad``: the same values as one all-reduce after the backward.
+
+On the parallel floor (not in ds_xc.overlap) because both the overlap pipeline and the
+compressed reduction of ds_xc/compression/overlapped.py build on it.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ds_xc.parallel.groups import copy_group, group_size, is_distributed
+from ds_xc.parallel.timeline import Timeline, wait_work
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BucketedGradReducer", "plan_buckets"]
+
+
+def plan_buckets(params: list, bucket_bytes: int) -> list[list[int]]:
+    """Indices of ``params`` per bucket, last parameter first; a bucket holds one dtype and about
+    ``bucket_bytes`` (a larger parameter gets a bucket of its own)."""
+    buckets: list[list[int]] = []
+    size, dtype = 0, None
+    for i in reversed(range(len(params))):
+        p = params[i]
+        nbytes = p.numel() * p.element_size()
+        if not buckets or p.dtype != dtype or size + nbytes > bucket_bytes and size > 0:
+            buckets.append([])
+            size, dtype = 0, p.dtype
+        buckets[-1].append(i)
+        size += nbytes
+    return buckets
+
+
+class BucketedGradReducer:
+    """Averages the gradients of ``params`` over ``group`` in buckets launched from backward hooks.
+
+    Args:
+        params: the replicated parameters (a backbone's); their order decides the buckets.
+        group: the data-parallel group (None: the world).
+        bucket_bytes: target bucket size.
+        timeline: where issue and wait times are recorded.
+        comm_group: the group the buckets travel on (default: a new copy of ``group``, so
+            that they never queue behind other traffic; every rank must construct the reducer).
+        overlap: False launches every bucket in :meth:`finish` (the serial reduction, timed
+            the same way).
+    """
+
+    def __init__(self, params, group=None, bucket_bytes: int = 4 << 20, timeline: Optional[Timeline] = None,
+                 comm_group=None, overlap: bool = True):
+        self.params = [p for p in params if p.requires_grad]
+        if not self.params:
+            raise ValueError("BucketedGradReducer: no parameters with requires_grad=True")
+        self.world = group_size(group)
+        self.active = is_distributed(group)
+        self.comm_group = comm_group if comm_group is not None else copy_group(group)
+        self.timeline, self.overlap = timeline, bool(overlap)
+        self.buckets = plan_buckets(self.params, int(bucket_bytes))
+        self._bucket_of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
+        self._buffers = [None] * len(self.buckets)
+        self._works: list = [None] * len(self.buckets)
+        self._missing = [0] * len(self.buckets)
+        self._next = 0
+        self.armed = False
+        self.launched_in_backward = 0  # buckets of the last window launched from hooks (overlapped)
+        self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
+        log.info("BucketedGradReducer: %d parameters in %d buckets of <= %.1f MiB, %d ranks", len(self.params),
+                 len(self.buckets), bucket_bytes / 2**20, self.world)
+
+    def _make_hook(self, i: int):
+        def hook(param):
+            if self.armed:
+                self._ready(i)
+        return hook
+
+    def arm(self) -> None:
+        """Reduce from the hooks of the next backward (call before the last backward of the window)."""
+        self._missing = [len(b) for b in self.buckets]
+        self._works = [None] * len(self.buckets)
+        self._next = 0
+        self.launched_in_backward = 0
+        self.armed = True
+
+    def _ready(self, i: int) -> None:
+        b = self._bucket_of[i]
+        self._missing[b] -= 1
+        if self.overlap:
+            while self._next < len(self.buckets) and self._missing[self._next] <= 0:
+                self._launch(self._next)
+                self.launched_in_backward += 1
+
+    @torch.no_grad()
+    def _launch(self, b: int) -> None:
+        idx = self.buckets[b]
+        params = [self.params[i] for i in idx]
+        numel = sum(p.numel() for p in params)
+        buf = self._buffers[b]
+        if buf is None or buf.numel() != numel or buf.device != params[0].device:
+            buf = self._buffers[b] = torch.empty(numel, dtype=params[0].dtype, device=params[0].device)
+        offset = 0
+        for p in params:
+            view = buf[offset: offset + p.numel()]
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad.reshape(-1))
+            offset += p.numel()
+        if self.active:
+            self._works[b] = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.comm_group, async_op=True)
+            if self.timeline is not None:
+                self.timeline.issued("grad_reduce", buf.numel() * buf.element_size())
+        self._next = b + 1
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Launch the remaining buckets, wait for all, write the means into ``.grad``."""
+        if not self.armed:
+            self.arm()
+        while self._next < len(self.buckets):
+            self._launch(self._next)
+        for b, idx in enumerate(self.buckets):
+            wait_work(self._works[b], self.timeline, "grad_reduce")
+            buf = self._buffers[b]
+            if self.world > 1:
+                buf.div_(self.world)
+            offset = 0
+            for i in idx:
+                p = self.params[i]
+                view = buf[offset: offset + p.numel()].view_as(p)
+                if p.grad is None:
+                    p.grad = view.clone()
+                else:
+                    p.grad.copy_(view)
+                offset += p.numel()
+        self._works = [None] * len(self.buckets)
+        self.armed = False
+
+    def remove(self) -> None:
+        """Remove the gradient hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
