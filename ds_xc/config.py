@@ -18,7 +18,7 @@ import math
 import os
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from typing_extensions import Annotated
 
 from ds_xc.config_base import (COMPRESSION_SECTION, HEAD_SECTION, TRAIN_SECTION, ConfigError,  # noqa: F401
@@ -189,11 +189,17 @@ class HeadOptimizerConfig(_Section):
         "follow_engine", description="follow_engine scales the head lr by the engine scheduler's "
         "lr / its initial lr; constant keeps lr.")
 
-    @model_validator(mode="after")
-    def _check(self):
-        for i, b in enumerate(self.betas):
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas):
+        # a field validator, so that the error's key path ends in ".betas"
+        for i, b in enumerate(betas):
             if not 0.0 <= b < 1.0:
                 raise ValueError(f"betas[{i}]={b!r} must be in [0, 1)")
+        return betas
+
+    @model_validator(mode="after")
+    def _check(self):
         if self.nesterov and self.momentum == 0.0:
             raise ValueError("nesterov=true needs momentum > 0")
         return self
