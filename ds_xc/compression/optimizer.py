@@ -31,6 +31,7 @@ import torch.distributed as dist
 from ds_xc.compression.compressors import allocate_densities, build_compressor
 from ds_xc.compression.config import GradientCompressionConfig, parse_compression
 from ds_xc.compression.layout import plan_layout
+from ds_xc.compression.steps import ReductionSteps
 from ds_xc.compression.transport import (DTYPES, NodeGroups, WireCounter, all_gather_slices, allreduce_bytes,
                                          build_node_groups, dense_allreduce_mean_, reduce_scatter_sum,
                                          sparse_allgather_mean, values_allreduce_mean)
@@ -62,7 +63,7 @@ def _generator(seed: int, device: torch.device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
-class CompressedOptimizer(torch.optim.Optimizer):
+class CompressedOptimizer(ReductionSteps, torch.optim.Optimizer):
     """Wraps ``optimizer`` (replicated over ``group``): compressed gradient mean, then its step.
 
     Args:
@@ -202,21 +203,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
         before = self.counter.snapshot()
-        compress = self.compressor is not None and self._step >= self.config.warmup_steps
-        if not compress:
+        if not self.compresses_this_step():
             dense_allreduce_mean_(grads, self.group, self.counter)
-            self._last = {"compressed": False}
-        else:
-            dense_allreduce_mean_([grads[i] for i in self.layout.dense], self.group, self.counter)
-            if self.layout.numel:
-                self._reduce_bucket(grads)
-        self._tally["dense_bytes"] += self._dense_step_bytes
-        self._last.update(step=self._step, bytes_sent=self.counter.bytes_sent - before["bytes_sent"],
-                          bytes_received=self.counter.bytes_received - before["bytes_received"])
-        log.debug("compressed reduction step %d: %s", self._step, self._last)
-        self._step += 1
+            return self.close_step(before)
+        dense_allreduce_mean_([grads[i] for i in self.layout.dense], self.group, self.counter)
+        self.close_step(before, self._reduce_bucket(grads) if self.layout.numel else None)
 
-    def _reduce_bucket(self, grads: list[torch.Tensor]) -> None:
+    def _reduce_bucket(self, grads: list[torch.Tensor]) -> tuple:
+        """The compressed exchange of the flat bucket; returns (sent, global_sent, comm) for close_step."""
         lay = self.layout
         flat = self._scratch("flat", lay.padded, grads[0].device)  # (n_pad,), padding stays zero
         for i, start in zip(lay.sparse, lay.starts):
@@ -225,13 +219,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             x = reduce_scatter_sum(flat, self.nodes, self.counter).div_(self.nodes.local_size)
         else:
             x = flat
-        if self._allocation_due():
-            self._count_nonzero(x)
-        v = self._accumulate(x)  # (s,)
-        if self.compressor.uses_stats and self._stats_due():
-            self._sync_stats(v)
-        idx = self._select(v)  # (m,) sorted positions in the region
-        vals = v[idx]  # (m,)
+        idx, vals = self.select_region(x, sync_stats=self.stats_sync_due())  # (m,), (m,)
         comm_size = group_size(self.comm_group)
         if self.compressor.shared_indices:
             reduced = torch.zeros_like(x)
@@ -241,12 +229,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
             reduced, counts = sparse_allgather_mean(idx, vals, x.numel(), self.comm_group, self._value_dtype,
                                                     self.counter, out=self._scratch("reduced", x.numel(), x.device))
             global_sent = int(counts.sum())
-        self._feedback(v, idx, vals)
         if self.nodes is not None:
             reduced = all_gather_slices(reduced, self.nodes, self.counter)  # (n_pad,)
         for i, start in zip(lay.sparse, lay.starts):
             grads[i].copy_(reduced[start: start + grads[i].numel()].view_as(grads[i]))
-        self._close_compressed_step(idx.numel(), global_sent)
+        return idx.numel(), global_sent, self.comm_group
 
     def _close_compressed_step(self, sent: int, global_sent: int, comm=None) -> None:
         """After a compressed exchange (this step path and the overlapped reducer alike): the
@@ -438,7 +425,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             log.warning("compression state saved on %d ranks (%d per node), resumed on %d (%d per node): "
                         "error-feedback residuals and thresholds restart from zero", state["world_size"],
                         state["ranks_per_node"], self.world_size, ranks_per_node)
-            self._restart_rank_state()
+            self.restart_rank_state()
             return
         for i, saved in state.get("state", {}).items():
             tstate = self.state[self._params[int(i)]]
@@ -467,12 +454,16 @@ class CompressedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"compression state holds {len(state['numels'])} tensors of sizes "
                              f"{state['numels'][:8]}...; this optimizer reduces {len(numels)} of sizes {numels[:8]}...")
 
-    def _restart_rank_state(self) -> None:
+    def restart_rank_state(self) -> None:
+        """Zero the error-feedback residuals and momentum and drop the per-tensor thresholds (another
+        world size, or a skipped step whose residuals already held its gradients)."""
         for buf in self._buffers.values():
             buf.zero_()
         for p in self._params:
             for key in [k for k in self.state[p] if k not in _BUFFERS]:
                 del self.state[p][key]
+
+    _restart_rank_state = restart_rank_state  # ds_xc/engine.py's old name; remove when it calls the public one
 
     def state_dict(self) -> dict:
         """{"inner": the wrapped optimizer's state_dict, "compression": the wrapper's state}."""

@@ -16,9 +16,9 @@ import logging
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from ds_xc.overlap.timeline import Timeline, wait_work
+from ds_xc.parallel.collectives import all_reduce_mean_
 from ds_xc.parallel.groups import group_size, is_distributed
 
 log = logging.getLogger(__name__)
@@ -116,8 +116,8 @@ class BucketedGradReducer:
             else:
                 view.copy_(p.grad.reshape(-1))
             offset += p.numel()
-        if self.active:
-            self._works[b] = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.comm_group, async_op=True)
+        if self.active:  # the mean in flight; the division waits for finish()
+            self._works[b] = all_reduce_mean_(buf, self.comm_group, async_op=True)
             if self.timeline is not None:
                 self.timeline.issued("grad_reduce", buf.numel() * buf.element_size())
         self._next = b + 1
@@ -130,10 +130,7 @@ class BucketedGradReducer:
         while self._next < len(self.buckets):
             self._launch(self._next)
         for b, idx in enumerate(self.buckets):
-            wait_work(self._works[b], self.timeline, "grad_reduce")
-            buf = self._buffers[b]
-            if self.world > 1:
-                buf.div_(self.world)
+            buf = self._buffers[b] if self._works[b] is None else self._works[b].wait(self._wait)
             offset = 0
             for i in idx:
                 p = self.params[i]
@@ -145,6 +142,9 @@ class BucketedGradReducer:
                 offset += p.numel()
         self._works = [None] * len(self.buckets)
         self.armed = False
+
+    def _wait(self, work) -> None:
+        wait_work(work, self.timeline, "grad_reduce")
 
     def remove(self) -> None:
         """Remove the gradient hooks."""

@@ -7,7 +7,7 @@ The local batch is split into C chunks (``torch.tensor_split`` sizes, on every r
 Per step:
 
 0. the head's input check runs before any collective of the step (one small all-reduce
-   that also exchanges the batch sizes; ClassParallelHead._check); in the backbone mode
+   that also exchanges the batch sizes; ClassParallelHead.check_batch); in the backbone mode
    the embeddings' finiteness is checked on the gathered rows instead;
 1. labels are all-gathered at once (small), the sampler picks the active set from them
    (samplers that look at the embeddings, ann, first wait for every chunk's gather);
@@ -143,7 +143,7 @@ class ChunkedHeadSchedule:
         Returns None when the step is skipped (non-finite embeddings, nonfinite="skip"), else
         (verdict, per_chunk, positions, y (N,), embeds, gathers, gathered)."""
         head = self.head
-        verdict = head._check(known, labels, batch_sizes, num_rows=local_rows)
+        verdict = head.check_batch(known, labels, batch_sizes, num_rows=local_rows)
         if verdict is None:  # every rank agrees: nothing is sent
             return None
         per_chunk, positions = self._layout(verdict.sizes)
@@ -164,7 +164,7 @@ class ChunkedHeadSchedule:
               whole: Optional[torch.Tensor] = None, known: Optional[torch.Tensor] = None) -> torch.Tensor:
         head, tl, C = self.head, self.timeline, self.num_chunks
         backward = backward or _default_backward
-        own_step = tl._t0 is None
+        own_step = not tl.in_step
         if own_step:
             tl.begin_step()
         blocking = not self.overlap
@@ -220,9 +220,9 @@ class ChunkedHeadSchedule:
         if self._keep_for_metrics():
             if x_serial is None:
                 x_serial = self._assemble(gathers, gathered, positions, n)
-            head._maybe_measure(x_serial, active)
+            head.measure_sampler(x_serial, active)
         loss = (total / max(n, 1)).to(head.weight.dtype if head.weight.dtype == torch.float64 else torch.float32)
-        loss = head._flag_unchecked(loss, y, verdict)
+        loss = head.flag_unchecked(loss, y, verdict)
         if own_step:
             tl.end_step()
         return loss
