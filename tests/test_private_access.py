@@ -126,8 +126,11 @@ def _accesses(tree: ast.Module):
             yield node.lineno, None, node.args[1].value
 
 
-def _scan():
+def _scan(planted: dict | None = None):
+    """(violations as (path, line, name, defining units), private names per unit); ``planted``:
+    extra {relative path: source} modules, for the tests of the checker itself."""
     trees = {rel: ast.parse((ROOT / rel).read_text(), str(rel)) for rel in _modules()}
+    trees.update({Path(rel): ast.parse(src) for rel, src in (planted or {}).items()})
     defined: dict[str, set[str]] = {}
     for rel, tree in trees.items():
         defined.setdefault(_unit_of_path(rel), set()).update(_definitions(tree))
@@ -163,20 +166,40 @@ def test_allow_list_is_current():
     assert not stale, f"allow-list entries that no longer occur: {stale}"
 
 
-def test_rule_catches_a_reach_in(tmp_path):
-    """The checker flags a planted cross-unit access, import and getattr, and passes own-unit use."""
-    src = ("from ds_xc.config import _Section\n"
+def test_rule_catches_a_reach_in():
+    """The checker's parts on planted code: private imports, attributes and getattr are found,
+    own members are not; definitions are module-level, class-level and self./cls. bindings."""
+    src = ("from ds_xc.config import _Section, HEAD_SECTION\n"
+           "import ds_xc.head._hidden\n"
            "def f(head, opt):\n"
            "    head._check(1)\n"
            "    getattr(opt, '_stats_due')()\n"
-           "    return self_like._not_ours\n")
-    tree = ast.parse(src)
-    accesses = list(_accesses(tree))
-    assert (1, "ds_xc.config", "_Section") in accesses
-    assert {(3, None, "_check"), (4, None, "_stats_due"), (5, None, "_not_ours")} <= set(accesses)
-    _, defined = _scan()
-    assert "_Section" in defined["ds_xc.config"] or "_Section" not in defined.get("ds_xc.compression", set())
+           "    return opt.__class__, opt.public\n")
+    assert sorted(_accesses(ast.parse(src))) == [(1, "ds_xc.config", "_Section"), (2, "ds_xc.head._hidden", "_hidden"),
+                                                 (4, None, "_check"), (5, None, "_stats_due")]
+    own = "class A:\n    def f(self):\n        return self._x, super()._y(), getattr(self, '_z')\n"
+    assert not list(_accesses(ast.parse(own)))
+    defs = ("_TOP = 1\ndef _helper():\n    _local = 2\nclass _K:\n    _slot = 0\n    def _m(self):\n"
+            "        self._state = 1\n        other._not_a_definition = 2\n")
+    assert _definitions(ast.parse(defs)) == {"_TOP", "_helper", "_K", "_slot", "_m", "_state"}
     assert _unit_of_module("ds_xc.config") == "ds_xc.config" and _unit_of_module("torch.nn") is None
+    assert _unit_of_module("ds_xc.head.head") == "ds_xc.head" and _unit_of_module("ops.hamming") == "ops"
     assert _unit_of_path(Path("ds_xc/compression/config.py")) == "ds_xc.compression"
+    assert _unit_of_path(Path("ds_xc/engine.py")) == "ds_xc.engine"
     assert _unit_of_path(Path("launch/train.py")) == "launch"
-    assert not list(_accesses(ast.parse("class A:\n    def f(self):\n        return self._x, super()._y()\n")))
+
+
+def test_the_scan_sees_the_packages():
+    """The scan reads every package: the head's own private names are known, and a planted
+    reach-in of the overlap package into the head is reported, while the head's own use is not."""
+    planted = {"ds_xc/overlap/planted.py": "def f(head):\n    return head._unchecked_bad\n",
+               "ds_xc/head/planted.py": "def f(head):\n    return head._unchecked_bad\n",
+               "launch/planted.py": "from ds_xc.head.head import _INIT_BLOCK\n"}
+    found, defined = _scan(planted)
+    mine = sorted(f for f in found if f[0].endswith("planted.py"))
+    assert mine == [("ds_xc/overlap/planted.py", 2, "_unchecked_bad", "ds_xc.head"),
+                    ("launch/planted.py", 1, "_INIT_BLOCK", "ds_xc.head")], mine
+    assert {"ds_xc.head", "ds_xc.compression", "ds_xc.overlap", "ds_xc.parallel", "ds_xc.config", "ops",
+            "launch"} <= set(defined)
+    assert {"_calls", "_unchecked_bad"} <= defined["ds_xc.head"]  # self._x bindings of ClassParallelHead
+    assert "_stats_due" in defined["ds_xc.compression"] and "_stats_due" not in defined["ds_xc.overlap"]
