@@ -41,13 +41,11 @@ class OverlappedCompressedReducer(BucketedGradReducer):
                               f"{COMPRESSION_SECTION}.hierarchy.ranks_per_node={opt.nodes.local_size}: the "
                               "hierarchical reduction needs the whole bucket at once; set overlap_grad_reduce=false "
                               "or ranks_per_node=1")
-        super().__init__(opt.params, opt.comm_group, bucket_bytes, timeline, comm_group)
-        self.opt = opt
         lay = opt.layout
-        if opt.config.granularity != "tensor" and lay.sparse:  # one threshold over all: one bucket
-            self.buckets = [list(reversed(range(len(self.params))))]
-            self._bucket_of = {i: 0 for i in range(len(self.params))}
-            self._buffers, self._works = [None], [None]
+        one = opt.config.granularity != "tensor" and lay.sparse  # one threshold over all: one bucket
+        super().__init__(opt.params, opt.comm_group, bucket_bytes, timeline, comm_group,
+                         buckets=[list(reversed(range(len(opt.params))))] if one else None)
+        self.opt = opt
         start_of = dict(zip(lay.sparse, lay.starts))
         self._plan = []
         for idx in self.buckets:
@@ -80,8 +78,9 @@ class OverlappedCompressedReducer(BucketedGradReducer):
         opt, plan = self.opt, self._plan[b]
         if not self.compress:  # warm-up or method none: the whole bucket dense
             super()._launch(b)
-            buf = self._buffers[b]
-            nbytes = allreduce_bytes(buf.numel() * buf.element_size(), self.world)
+            idx = self.buckets[b]  # the bucket's flat buffer has the dtype of its first parameter
+            numel = sum(self.params[i].numel() for i in idx)
+            nbytes = allreduce_bytes(numel * self.params[idx[0]].element_size(), self.world)
             opt.counter.add(nbytes, nbytes)
             return
         state = {}
@@ -119,7 +118,6 @@ class OverlappedCompressedReducer(BucketedGradReducer):
                 self.timeline.issued("grad_reduce", vals.numel() * (2 + opt.value_dtype.itemsize))
             state["idx"] = idx
         self._state[b] = state
-        self._next = b + 1
 
     def _grad(self, i: int) -> torch.Tensor:
         p = self.params[i]
@@ -132,8 +130,7 @@ class OverlappedCompressedReducer(BucketedGradReducer):
         """Launch what is left, wait, write the means into ``.grad``; close the wrapper's step."""
         if not self.armed:
             self.arm()
-        while self._next < len(self.buckets):
-            self._launch(self._next)
+        self.launch_remaining()
         opt = self.opt
         if not self.compress:
             BucketedGradReducer.finish(self)
@@ -145,7 +142,7 @@ class OverlappedCompressedReducer(BucketedGradReducer):
             if "dense" in state:
                 flat = state["dense"]
                 if state.get("dense_work") is not None:
-                    state["dense_work"].wait(self._wait)
+                    state["dense_work"].wait(self.wait_comm)
                 offset = 0
                 for i in plan["dense"]:
                     g = self._grad(i)
@@ -158,7 +155,7 @@ class OverlappedCompressedReducer(BucketedGradReducer):
             if "values" in state:
                 buf, work = state["values"]
                 if work is not None:
-                    self._wait(work)
+                    self.wait_comm(work)
                 reduced = self._reduced[a:e].zero_()
                 reduced[idx - a] = buf.float().div_(self.world)
                 global_sent += idx.numel() * self.world

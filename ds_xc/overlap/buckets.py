@@ -54,10 +54,17 @@ class BucketedGradReducer:
             that they never queue behind other traffic; every rank must construct the reducer).
         overlap: False launches every bucket in :meth:`finish` (the serial reduction, timed
             the same way).
+        buckets: an explicit plan, lists of parameter indices in launch order (default:
+            :func:`plan_buckets`).
+
+    Subclasses change what a bucket sends by overriding ``_launch(b)`` (the compressed
+    reducer, ds_xc/compression/overlapped.py); they use the public :meth:`launch_remaining`
+    and :meth:`wait_comm`, and the attributes ``params``, ``buckets``, ``world``, ``active``,
+    ``comm_group``, ``timeline`` and ``armed``.
     """
 
     def __init__(self, params, group=None, bucket_bytes: int = 4 << 20, timeline: Optional[Timeline] = None,
-                 comm_group=None, overlap: bool = True):
+                 comm_group=None, overlap: bool = True, buckets: Optional[list[list[int]]] = None):
         from ds_xc.overlap.schedule import side_group
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
@@ -66,7 +73,7 @@ class BucketedGradReducer:
         self.active = is_distributed(group)
         self.comm_group = comm_group if comm_group is not None else side_group(group)
         self.timeline, self.overlap = timeline, bool(overlap)
-        self.buckets = plan_buckets(self.params, int(bucket_bytes))
+        self.buckets = plan_buckets(self.params, int(bucket_bytes)) if buckets is None else [list(b) for b in buckets]
         self._bucket_of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
         self._buffers = [None] * len(self.buckets)
         self._works: list = [None] * len(self.buckets)
@@ -98,6 +105,7 @@ class BucketedGradReducer:
         if self.overlap:
             while self._next < len(self.buckets) and self._missing[self._next] <= 0:
                 self._launch(self._next)
+                self._next += 1
                 self.launched_in_backward += 1
 
     @torch.no_grad()
@@ -120,17 +128,21 @@ class BucketedGradReducer:
             self._works[b] = all_reduce_mean_(buf, self.comm_group, async_op=True)
             if self.timeline is not None:
                 self.timeline.issued("grad_reduce", buf.numel() * buf.element_size())
-        self._next = b + 1
+
+    def launch_remaining(self) -> None:
+        """Launch the buckets not launched yet, in bucket order (parameters without a gradient count as zeros)."""
+        while self._next < len(self.buckets):
+            self._launch(self._next)
+            self._next += 1
 
     @torch.no_grad()
     def finish(self) -> None:
         """Launch the remaining buckets, wait for all, write the means into ``.grad``."""
         if not self.armed:
             self.arm()
-        while self._next < len(self.buckets):
-            self._launch(self._next)
+        self.launch_remaining()
         for b, idx in enumerate(self.buckets):
-            buf = self._buffers[b] if self._works[b] is None else self._works[b].wait(self._wait)
+            buf = self._buffers[b] if self._works[b] is None else self._works[b].wait(self.wait_comm)
             offset = 0
             for i in idx:
                 p = self.params[i]
@@ -143,7 +155,8 @@ class BucketedGradReducer:
         self._works = [None] * len(self.buckets)
         self.armed = False
 
-    def _wait(self, work) -> None:
+    def wait_comm(self, work) -> None:
+        """Wait for one of this reducer's collectives (None: done), timed as ``grad_reduce``."""
         wait_work(work, self.timeline, "grad_reduce")
 
     def remove(self) -> None:
