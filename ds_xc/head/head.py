@@ -29,7 +29,7 @@ from ds_xc.head.checks import BAD_INPUT, Verdict, decide, fill_verdict, local_pr
 from ds_xc.head.margins import TargetLoss, build_loss
 from ds_xc.head.partition import shard_range
 from ds_xc.head.softmax import sharded_margin_loss
-from ds_xc.parallel.collectives import all_gather_no_grad, all_gather_rows, exchange_sizes, gather_stacked
+from ds_xc.parallel.collectives import all_gather_no_grad, all_gather_rows, exchange_sizes, merge_topk
 from ds_xc.parallel.groups import group_rank, group_size, is_distributed
 from ds_xc.sampling import ActiveSet, build_sampler
 from ops.softmax_backend import SOFTMAX_BACKENDS
@@ -316,13 +316,7 @@ class ClassParallelHead(nn.Module):
         for a in range(0, n if kl else 0, step):
             v, i = torch.topk((x[a: a + step] @ w.t()).float(), kl, dim=1)  # (n, kl)
             vals[a: a + step, :kl], ids[a: a + step, :kl] = v, i + self.class_start
-        if is_distributed(self.group):
-            vals = gather_stacked(vals, self.group)  # (P, N, k)
-            ids = gather_stacked(ids, self.group)
-            vals = vals.permute(1, 0, 2).reshape(n, -1)  # (N, P*k)
-            ids = ids.permute(1, 0, 2).reshape(n, -1)
-        best = torch.topk(vals, k, dim=1).indices  # k <= C real candidates: never a pad
-        ids = ids.gather(1, best)  # (N, k)
+        ids = merge_topk(vals, ids, k, self.group)  # (N, k); k <= C real candidates: never a pad
         start = sum(sizes[: self.rank])
         return ids[start: start + sizes[self.rank]]
 

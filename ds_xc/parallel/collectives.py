@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ds_xc.parallel.groups import group_rank, group_size, is_distributed
 
 __all__ = ["all_gather_rows", "all_gather_no_grad", "exchange_sizes", "gather_flat", "reduce_scatter_flat",
-           "PaddedGather", "PaddedReduceScatter", "gather_stacked", "all_reduce_mean_", "PendingMean"]
+           "PaddedGather", "PaddedReduceScatter", "gather_stacked", "merge_topk", "all_reduce_mean_", "PendingMean"]
 
 # torch 2.13 renamed the flat-tensor collectives; keep older torch (>= 2.4) working too
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -112,6 +112,16 @@ def gather_stacked(t: torch.Tensor, group=None) -> torch.Tensor:
     out = t.new_empty((world * t.shape[0],) + tuple(t.shape[1:]))  # gloo wants a flat (P*n, ...)
     gather_flat(out, t.contiguous(), group=group)
     return out.view((world,) + tuple(t.shape))
+
+
+def merge_topk(vals: torch.Tensor, ids: torch.Tensor, k: int, group=None) -> torch.Tensor:
+    """Global top-k ids (n, k) from every rank's (n, k') candidates ``vals``/``ids`` for the same n
+    rows (a class-sharded top-k): gathered to (n, P*k') in rank order, then the k best."""
+    if is_distributed(group):
+        n = vals.shape[0]
+        vals = gather_stacked(vals, group).permute(1, 0, 2).reshape(n, -1)  # (P, n, k') -> (n, P*k')
+        ids = gather_stacked(ids, group).permute(1, 0, 2).reshape(n, -1)
+    return ids.gather(1, torch.topk(vals, k, dim=1).indices)
 
 
 class PendingMean:
