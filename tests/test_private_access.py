@@ -14,8 +14,10 @@ the syntax tree of every module of ds_xc/, ops/ and launch/:
 Dunder names are never private. Underscore names of torch and the standard library that
 ds_xc uses (``tensor._values()``, ``os._exit``, ...) are not defined by any unit, so they
 are no violation; the few that share a name with one of ours are listed in THIRD_PARTY.
-Limitation: the check goes by name, not by type, so ``X._name`` passes when the accessing
-unit also defines ``_name`` (a unit's own private names are its own business).
+Limitations: the check goes by name, not by type, so ``X._name`` passes when the accessing
+unit also defines ``_name`` (a unit's own private names are its own business); and a subclass's
+``self._name`` is its own, even when the base class lives in another unit (the compressed
+reducer overrides ``BucketedGradReducer._launch``, the documented extension point).
 """
 from __future__ import annotations
 
@@ -25,19 +27,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("ds_xc", "ops", "launch")
 
-# underscore attributes of torch / the standard library that a unit of ours also defines by name
-THIRD_PARTY: set[str] = set()
+# underscore APIs of torch and the standard library that ds_xc uses, never a violation even if a
+# unit of ours comes to define the same name: sparse tensors' _values() / _indices() (engine.py,
+# head/optim.py), os._exit (launch/train.py), nn.Module._apply / _load_from_state_dict (overridden
+# by ClassParallelHead; the overrides call super()'s)
+THIRD_PARTY = {"_values", "_indices", "_exit", "_apply", "_load_from_state_dict"}
 
-# (accessing file, name): cross-unit private accesses still present, each with the reason it stays
+# (accessing unit, name): cross-unit private accesses still present, each with the reason it stays
+# (keyed by unit, not file, so that moving code inside a unit keeps the entry)
 # Each needs a public name in a file another change of issue 15 is splitting right now
 # (ds_xc/config.py, ds_xc/engine.py, ds_xc/checkpoint.py); the integrator makes the switch and
 # deletes the entry (test_allow_list_is_current then insists).
 ALLOWED: dict[tuple[str, str], str] = {
-    ("ds_xc/compression/config.py", "_Section"): "the sections' base model: ds_xc/config.py needs a public name",
-    ("ds_xc/engine.py", "_load"): "reading a config dict or file: ds_xc/config.py needs a public loader",
-    ("ds_xc/engine.py", "_restart_rank_state"): "CompressedOptimizer.restart_rank_state() exists: engine.py to call it",
-    ("ds_xc/engine.py", "_reduced_by_hooks"): "CompressedOptimizer.skip_reduction() exists: engine.py to call it",
-    ("launch/export.py", "_atomic_json"): "atomic JSON writes: ds_xc/checkpoint.py needs a public name",
+    ("ds_xc.compression", "_Section"): "the sections' base model: ds_xc/config.py needs a public name",
+    ("ds_xc.engine", "_load"): "reading a config dict or file: ds_xc/config.py needs a public loader",
+    ("ds_xc.engine", "_restart_rank_state"): "CompressedOptimizer.restart_rank_state() exists: engine.py to call it",
+    ("ds_xc.engine", "_reduced_by_hooks"): "CompressedOptimizer.skip_reduction() exists: engine.py to call it",
+    ("launch", "_atomic_json"): "atomic JSON writes: ds_xc/checkpoint.py needs a public name",
 }
 
 
@@ -153,7 +159,7 @@ def _scan(planted: dict | None = None):
 
 def test_no_cross_package_private_access():
     found, _ = _scan()
-    left = [f for f in found if (f[0], f[2]) not in ALLOWED]
+    left = [f for f in found if (_unit_of_path(Path(f[0])), f[2]) not in ALLOWED]
     assert not left, "private names of another package (make them public, or move the code):\n" + "\n".join(
         f"  {path}:{line}: {name} (defined in {where})" for path, line, name, where in left)
 
@@ -161,7 +167,7 @@ def test_no_cross_package_private_access():
 def test_allow_list_is_current():
     """Every allow-list entry still matches an access: a fixed reach-in leaves the list too."""
     found, _ = _scan()
-    present = {(f[0], f[2]) for f in found}
+    present = {(_unit_of_path(Path(f[0])), f[2]) for f in found}
     stale = sorted(set(ALLOWED) - present)
     assert not stale, f"allow-list entries that no longer occur: {stale}"
 
