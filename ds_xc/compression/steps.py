@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-log = logging.getLogger("ds_xc.compression.optimizer")  # the step log, as before the split
+log = logging.getLogger("ds_xc.compression.optimizer")  # the step log keeps the optimizer's logger
 
 __all__ = ["ReductionSteps"]
 
