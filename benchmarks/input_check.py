@@ -12,7 +12,7 @@ processes, interleaved in rounds so that the machine's noise hits all of them al
 * ``off``: ``check_inputs`` off, ``batch_sizes`` passed: no check collective at all.
 
 Per variant and rank: the median time per forward over the rounds, and the median time of
-the check alone (``head._check``, timed separately). Max over ranks.
+the check alone (``head.check_batch``, timed separately). Max over ranks.
 
     python benchmarks/input_check.py            # ~1 min on 2 cores, writes benchmarks/results/input_check.md
     python benchmarks/input_check.py --smoke    # a few seconds, writes nothing
@@ -62,7 +62,7 @@ def _run_rank(rank: int, world: int, port: int, spec: dict) -> dict:
                     head(x, y, bs)
                 t1 = time.perf_counter()
                 for _ in range(spec["calls"]):
-                    head._check(x, y, bs)
+                    head.check_batch(x, y, bs)
                 t2 = time.perf_counter()
                 if r >= spec["warmup"]:
                     fwd[name].append((t1 - t0) / spec["calls"])
@@ -119,7 +119,7 @@ def main(argv=None) -> None:
         "check_interval 10 with batch_sizes passed (9 calls in 10 run without exchange or sync); every 10, sizes "
         "exchanged = the same without batch_sizes (the sizes, with a label-range test, are exchanged in every "
         "call); off = check_inputs off with batch_sizes passed (no check collective). 'check alone' times "
-        "head._check by itself (averaged over whole check_interval periods).",
+        "head.check_batch by itself (averaged over whole check_interval periods).",
         "",
     ]
     reading = [

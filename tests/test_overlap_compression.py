@@ -46,7 +46,7 @@ def _run(rank, world, config, steps, bucket_bytes):
                 reducer.finish()
             else:
                 opt.reduce_gradients()
-                opt._reduced_by_hooks = True  # both now step the inner optimizer only
+                opt.skip_reduction()  # both now step the inner optimizer only
             grads[k].append([p.grad.clone() for p in net.parameters()])
             opt.step()
             opt.zero_grad()
@@ -54,8 +54,8 @@ def _run(rank, world, config, steps, bucket_bytes):
              "param": max((a - b).abs().max().item() for a, b in zip(nets[0].parameters(), nets[1].parameters())),
              "residual": max((opts[0]._buffers[k] - opts[1]._buffers[k]).abs().max().item()
                              for k in opts[0]._buffers) if opts[0]._buffers else 0.0,
-             "tau": [[opts[k].state[p].get("tau") for p in opts[k]._params] for k in range(2)],
-             "density": [[opts[k].state[p].get("density") for p in opts[k]._params] for k in range(2)],
+             "tau": [[opts[k].state[p].get("tau") for p in opts[k].params] for k in range(2)],
+             "density": [[opts[k].state[p].get("density") for p in opts[k].params] for k in range(2)],
              "stats": [opts[k].stats()["global_density"] for k in range(2)],
              "bytes": [opts[k].stats()["bytes_sent"] for k in range(2)],
              "moved": max((p.detach() - q.detach()).abs().max().item() for p, q in zip(nets[0].parameters(),

@@ -32,6 +32,7 @@ from ds_xc.compression.compressors import allocate_densities, build_compressor
 from ds_xc.compression.config import GradientCompressionConfig, parse_compression
 from ds_xc.compression.layout import plan_layout
 from ds_xc.compression.state import CompressionState
+from ds_xc.compression.steps import ReductionSteps
 from ds_xc.compression.transport import (DTYPES, NodeGroups, WireCounter, all_gather_slices, allreduce_bytes,
                                          build_node_groups, dense_allreduce_mean_, reduce_scatter_sum,
                                          sparse_allgather_mean, values_allreduce_mean)
@@ -60,7 +61,7 @@ def _generator(seed: int, device: torch.device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
-class CompressedOptimizer(CompressionState, torch.optim.Optimizer):
+class CompressedOptimizer(CompressionState, ReductionSteps, torch.optim.Optimizer):
     """Wraps ``optimizer`` (replicated over ``group``): compressed gradient mean, then its step.
 
     Args:
@@ -177,11 +178,6 @@ class CompressedOptimizer(CompressionState, torch.optim.Optimizer):
         self.inner.step()
         return loss
 
-    def skip_next_reduction(self) -> None:
-        """Make the next :meth:`step` step the wrapped optimizer only (this step's gradients were
-        reduced elsewhere, or the step is being skipped and the residuals must stay as they are)."""
-        self._reduced_by_hooks = True
-
     def overlapped_reducer(self, timeline=None, bucket_bytes: int = 4 << 20, comm_group=None):
         """A reducer that runs this wrapper's compressed reduction in buckets from backward hooks
         (ds_xc.overlap); its ``finish()`` leaves the same gradients and state as ``reduce_gradients()``."""
@@ -205,21 +201,14 @@ class CompressedOptimizer(CompressionState, torch.optim.Optimizer):
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
         before = self.counter.snapshot()
-        compress = self.compressor is not None and self._step >= self.config.warmup_steps
-        if not compress:
+        if not self.compresses_this_step():
             dense_allreduce_mean_(grads, self.group, self.counter)
-            self._last = {"compressed": False}
-        else:
-            dense_allreduce_mean_([grads[i] for i in self.layout.dense], self.group, self.counter)
-            if self.layout.numel:
-                self._reduce_bucket(grads)
-        self._tally["dense_bytes"] += self._dense_step_bytes
-        self._last.update(step=self._step, bytes_sent=self.counter.bytes_sent - before["bytes_sent"],
-                          bytes_received=self.counter.bytes_received - before["bytes_received"])
-        log.debug("compressed reduction step %d: %s", self._step, self._last)
-        self._step += 1
+            return self.close_step(before)
+        dense_allreduce_mean_([grads[i] for i in self.layout.dense], self.group, self.counter)
+        self.close_step(before, self._reduce_bucket(grads) if self.layout.numel else None)
 
-    def _reduce_bucket(self, grads: list[torch.Tensor]) -> None:
+    def _reduce_bucket(self, grads: list[torch.Tensor]) -> tuple:
+        """The compressed exchange of the flat bucket; returns (sent, global_sent, comm) for close_step."""
         lay = self.layout
         flat = self._scratch("flat", lay.padded, grads[0].device)  # (n_pad,), padding stays zero
         for i, start in zip(lay.sparse, lay.starts):
@@ -228,13 +217,7 @@ class CompressedOptimizer(CompressionState, torch.optim.Optimizer):
             x = reduce_scatter_sum(flat, self.nodes, self.counter).div_(self.nodes.local_size)
         else:
             x = flat
-        if self._allocation_due():
-            self._count_nonzero(x)
-        v = self._accumulate(x)  # (s,)
-        if self.compressor.uses_stats and self._stats_due():
-            self._sync_stats(v)
-        idx = self._select(v)  # (m,) sorted positions in the region
-        vals = v[idx]  # (m,)
+        idx, vals = self.select_region(x, sync_stats=self.stats_sync_due())  # (m,), (m,)
         comm_size = group_size(self.comm_group)
         if self.compressor.shared_indices:
             reduced = torch.zeros_like(x)
@@ -244,12 +227,11 @@ class CompressedOptimizer(CompressionState, torch.optim.Optimizer):
             reduced, counts = sparse_allgather_mean(idx, vals, x.numel(), self.comm_group, self._value_dtype,
                                                     self.counter, out=self._scratch("reduced", x.numel(), x.device))
             global_sent = int(counts.sum())
-        self._feedback(v, idx, vals)
         if self.nodes is not None:
             reduced = all_gather_slices(reduced, self.nodes, self.counter)  # (n_pad,)
         for i, start in zip(lay.sparse, lay.starts):
             grads[i].copy_(reduced[start: start + grads[i].numel()].view_as(grads[i]))
-        self._close_compressed_step(idx.numel(), global_sent)
+        return idx.numel(), global_sent, self.comm_group
 
     def _close_compressed_step(self, sent: int, global_sent: int, comm=None) -> None:
         """After a compressed exchange (this step path and the overlapped reducer alike): the

@@ -8,7 +8,8 @@ residual, their thresholds synced when due, their entries selected, and the spar
 payload's all-gather issued asynchronously; small tensors of the bucket go in an
 async dense all-reduce. ``finish()`` waits, decodes the means into ``.grad`` and
 closes the step's bookkeeping, after which ``CompressedOptimizer.step()`` only steps
-the wrapped optimizer.
+the wrapped optimizer. The optimizer is driven through its public reducers' interface
+(ds_xc/compression/steps.py: ``compresses_this_step``, ``select_region``, ``close_step``).
 
 Selection, statistics and random draws are per tensor (segment) and seeded by (step,
 tensor, rank), and the means are element-wise, so the gradients, residuals and
@@ -25,7 +26,7 @@ from ds_xc.compression.config import COMPRESSION_SECTION
 from ds_xc.compression.transport import allreduce_bytes, start_sparse_allgather_mean
 from ds_xc.config import ConfigError, HEAD_SECTION
 from ds_xc.parallel.buckets import BucketedGradReducer
-from ds_xc.parallel.timeline import wait_work
+from ds_xc.parallel.collectives import all_reduce_mean_
 
 __all__ = ["OverlappedCompressedReducer"]
 
@@ -40,13 +41,11 @@ class OverlappedCompressedReducer(BucketedGradReducer):
                               f"{COMPRESSION_SECTION}.hierarchy.ranks_per_node={opt.nodes.local_size}: the "
                               "hierarchical reduction needs the whole bucket at once; set overlap_grad_reduce=false "
                               "or ranks_per_node=1")
-        super().__init__(opt._params, opt.comm_group, bucket_bytes, timeline, comm_group)
-        self.opt = opt
         lay = opt.layout
-        if opt.config.granularity != "tensor" and lay.sparse:  # one threshold over all: one bucket
-            self.buckets = [list(reversed(range(len(self.params))))]
-            self._bucket_of = {i: 0 for i in range(len(self.params))}
-            self._buffers, self._works = [None], [None]
+        one = opt.config.granularity != "tensor" and lay.sparse  # one threshold over all: one bucket
+        super().__init__(opt.params, opt.comm_group, bucket_bytes, timeline, comm_group,
+                         buckets=[list(reversed(range(len(opt.params))))] if one else None)
+        self.opt = opt
         start_of = dict(zip(lay.sparse, lay.starts))
         self._plan = []
         for idx in self.buckets:
@@ -65,22 +64,23 @@ class OverlappedCompressedReducer(BucketedGradReducer):
     def arm(self) -> None:
         super().arm()
         opt = self.opt
-        self.compress = opt.compressor is not None and opt._step >= opt.config.warmup_steps
-        self.stats_due = self.compress and opt.compressor.uses_stats and opt._stats_due()
+        self.compress = opt.compresses_this_step()
+        self.stats_due = self.compress and opt.stats_sync_due()
         self._state = [None] * len(self.buckets)
         self._before = opt.counter.snapshot()
         device = self.params[0].device
         if self.compress and opt.layout.numel:
-            self._flat = opt._scratch("flat", opt.layout.padded, device)
-            self._reduced = opt._scratch("reduced", opt.layout.numel, device)
+            self._flat = opt.scratch("flat", opt.layout.padded, device)
+            self._reduced = opt.scratch("reduced", opt.layout.numel, device)
 
     @torch.no_grad()
     def _launch(self, b: int) -> None:
         opt, plan = self.opt, self._plan[b]
         if not self.compress:  # warm-up or method none: the whole bucket dense
             super()._launch(b)
-            buf = self._buffers[b]
-            nbytes = allreduce_bytes(buf.numel() * buf.element_size(), self.world)
+            idx = self.buckets[b]  # the bucket's flat buffer has the dtype of its first parameter
+            numel = sum(self.params[i].numel() for i in idx)
+            nbytes = allreduce_bytes(numel * self.params[idx[0]].element_size(), self.world)
             opt.counter.add(nbytes, nbytes)
             return
         state = {}
@@ -88,8 +88,8 @@ class OverlappedCompressedReducer(BucketedGradReducer):
             grads = [self._grad(i) for i in plan["dense"]]
             flat = torch.cat([g.reshape(-1) for g in grads])
             state["dense"] = flat
-            if self.active:
-                state["dense_work"] = dist.all_reduce(flat, group=self.comm_group, async_op=True)
+            if self.active:  # the mean in flight; divided after the wait in finish()
+                state["dense_work"] = all_reduce_mean_(flat, self.comm_group, async_op=True)
                 nbytes = allreduce_bytes(flat.numel() * flat.element_size(), self.world)
                 opt.counter.add(nbytes, nbytes)
                 if self.timeline is not None:
@@ -103,28 +103,21 @@ class OverlappedCompressedReducer(BucketedGradReducer):
             # in the next collective): compress them as 0. The .grad keeps them, so XCEngine sees them
             # and skips the step (restarting these residuals) on every rank.
             torch.nan_to_num_(self._flat[a:e], nan=0.0, posinf=0.0, neginf=0.0)
-            if opt._allocation_due():
-                opt._count_nonzero(self._flat, plan["segments"])
-            v = opt._accumulate(self._flat, a, e)  # (n,) the region; [a, e) updated
-            if self.stats_due:
-                opt._sync_stats(v, plan["segments"], comm=self.comm_group)
-            idx = opt._select(v, plan["segments"])  # (m,) sorted region positions in [a, e)
-            vals = v[idx]
+            idx, vals = opt.select_region(self._flat, a, e, plan["segments"], comm=self.comm_group,
+                                          sync_stats=self.stats_due)  # (m,) sorted region positions in [a, e)
             if opt.compressor.shared_indices:
-                buf = vals.to(opt._value_dtype)
+                buf = vals.to(opt.value_dtype)
                 work = dist.all_reduce(buf, group=self.comm_group, async_op=True) if self.active else None
                 nbytes = allreduce_bytes(buf.numel() * buf.element_size(), self.world)
                 opt.counter.add(nbytes, nbytes)
                 state["values"] = (buf, work)
             else:
-                state["sparse"] = start_sparse_allgather_mean(idx - a, vals, e - a, self.comm_group, opt._value_dtype,
+                state["sparse"] = start_sparse_allgather_mean(idx - a, vals, e - a, self.comm_group, opt.value_dtype,
                                                               opt.counter, out=self._reduced[a:e], async_op=True)
             if self.timeline is not None:
-                self.timeline.issued("grad_reduce", vals.numel() * (2 + opt._value_dtype.itemsize))
-            opt._feedback(v, idx, vals)
+                self.timeline.issued("grad_reduce", vals.numel() * (2 + opt.value_dtype.itemsize))
             state["idx"] = idx
         self._state[b] = state
-        self._next = b + 1
 
     def _grad(self, i: int) -> torch.Tensor:
         p = self.params[i]
@@ -137,13 +130,11 @@ class OverlappedCompressedReducer(BucketedGradReducer):
         """Launch what is left, wait, write the means into ``.grad``; close the wrapper's step."""
         if not self.armed:
             self.arm()
-        while self._next < len(self.buckets):
-            self._launch(self._next)
+        self.launch_remaining()
         opt = self.opt
         if not self.compress:
             BucketedGradReducer.finish(self)
-            opt._last = {"compressed": False}
-            self._close(0, 0)
+            opt.close_step(self._before, by_hooks=True)
             return
         sent = global_sent = 0
         for b, plan in enumerate(self._plan):
@@ -151,8 +142,7 @@ class OverlappedCompressedReducer(BucketedGradReducer):
             if "dense" in state:
                 flat = state["dense"]
                 if state.get("dense_work") is not None:
-                    self._wait(state["dense_work"])
-                    flat.div_(self.world)
+                    state["dense_work"].wait(self.wait_comm)
                 offset = 0
                 for i in plan["dense"]:
                     g = self._grad(i)
@@ -165,7 +155,7 @@ class OverlappedCompressedReducer(BucketedGradReducer):
             if "values" in state:
                 buf, work = state["values"]
                 if work is not None:
-                    self._wait(work)
+                    self.wait_comm(work)
                 reduced = self._reduced[a:e].zero_()
                 reduced[idx - a] = buf.float().div_(self.world)
                 global_sent += idx.numel() * self.world
@@ -179,21 +169,4 @@ class OverlappedCompressedReducer(BucketedGradReducer):
                 g.copy_(reduced[start: start + g.numel()].view_as(g))
         self.armed = False
         self._state = [None] * len(self.buckets)
-        self._close(sent, global_sent)
-
-    def _wait(self, work) -> None:
-        wait_work(work, self.timeline, "grad_reduce")
-
-    def _close(self, sent: int, global_sent: int) -> None:
-        """The bookkeeping of CompressedOptimizer.reduce_gradients / _reduce_bucket for this step."""
-        opt = self.opt
-        if self.compress and opt.layout.numel:
-            opt._close_compressed_step(sent, global_sent, comm=self.comm_group)
-        elif self.compress:
-            opt._last = {"compressed": False}
-        opt._tally["dense_bytes"] += opt._dense_step_bytes
-        now = opt.counter.snapshot()
-        opt._last.update(step=opt._step, bytes_sent=now["bytes_sent"] - self._before["bytes_sent"],
-                         bytes_received=now["bytes_received"] - self._before["bytes_received"])
-        opt._step += 1
-        opt._reduced_by_hooks = True
+        opt.close_step(self._before, (sent, global_sent, self.comm_group) if opt.layout.numel else None, by_hooks=True)

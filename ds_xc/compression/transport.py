@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ds_xc.parallel.collectives import gather_flat, reduce_scatter_flat
+from ds_xc.parallel.collectives import all_reduce_mean_, gather_flat, reduce_scatter_flat
 from ds_xc.parallel.groups import group_rank, group_size, is_distributed, new_group
 from ds_xc.parallel.timeline import wait_work
 
@@ -172,8 +172,7 @@ def dense_allreduce_mean_(tensors: list[torch.Tensor], group, counter: WireCount
         by_dtype.setdefault(t.dtype, []).append(t)
     for dtype, ts in by_dtype.items():
         flat = torch.cat([t.reshape(-1) for t in ts])  # (sum numel,)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        flat.div_(world)
+        all_reduce_mean_(flat, group)
         offset = 0
         for t in ts:
             t.copy_(flat[offset: offset + t.numel()].view_as(t))

@@ -62,7 +62,7 @@ from ds_xc.data.base import (
     hash_words,
     mix64,
 )
-from ds_xc.data.text import _save_atomic
+from ds_xc.data.text import save_arrays_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ def load_tokens(root: Path, sources: tuple[str, ...], cache_dir: Path) -> tuple[
     start = time.perf_counter()
     logger.info("tokenising %d files of %s", len(files), ", ".join(sources))
     arrays = tokenise_corpus(files, {k: SOURCES[k].reader for k in sources})
-    _save_atomic(path, arrays)
+    save_arrays_atomic(path, arrays)
     logger.info("tokenised %d words (%d distinct) in %.1f s, cached at %s", len(arrays["stream"]),
                 len(arrays["counts"]), time.perf_counter() - start, path)
     return arrays, path

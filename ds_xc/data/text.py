@@ -149,8 +149,8 @@ def _cache_key(
     return f"v{FORMAT_VERSION}-c{num_classes}-k{context}-{digest}"
 
 
-def _save_atomic(path: Path, arrays: dict) -> None:
-    """np.savez to a unique temporary file in the same directory, then os.replace."""
+def save_arrays_atomic(path: Path, arrays: dict) -> None:
+    """np.savez to a unique temporary file in the same directory, then os.replace (the data sets' caches)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}.{uuid.uuid4().hex}")
     try:
@@ -218,7 +218,7 @@ class TextDataset(PositionDataset):
             start = time.perf_counter()
             arrays = tokenise(
                 self.root, files, self.num_classes, self.context, self.heldout_fraction)
-            _save_atomic(self.cache_path, arrays)
+            save_arrays_atomic(self.cache_path, arrays)
             logger.info("tokenised %s in %.1f s, cached at %s",
                         self.root, time.perf_counter() - start, self.cache_path)
         else:

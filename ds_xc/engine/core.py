@@ -213,7 +213,7 @@ class XCEngine:
             if comp is not None:
                 comp.restart_rank_state()
         elif comp is not None:
-            comp.skip_next_reduction()  # skip its reduction: the residuals stay as they were
+            comp.skip_reduction()  # skip its reduction: the residuals stay as they were
         self.head_optimizer.zero_grad(set_to_none=True)
         log.warning("step %d skipped: NaN/Inf loss or gradients on some rank (%s.nonfinite='skip'; %d skipped "
                     "so far)", self.global_steps, cfg.HEAD_SECTION, self.skipped_steps + 1)

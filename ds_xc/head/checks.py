@@ -1,6 +1,6 @@
 """Input checks of the class-parallel head: what one rank can tell alone, and the agreed verdict.
 
-Legend: P ranks, B this rank's rows. ``ClassParallelHead._check`` fills one (P, 5) int64
+Legend: P ranks, B this rank's rows. ``ClassParallelHead.check_batch`` fills one (P, 5) int64
 table per step (row r: rank r's [verdict code, B, first bad position, bad label, out-of-range
 labels seen in earlier unchecked steps]), all-reduces it once and reads it with one
 ``.tolist()``; :func:`decide` turns the table into the same decision on every rank, so that
@@ -26,7 +26,7 @@ BAD_INPUT, NONFINITE = 2, 1  # per-rank verdict codes (larger = worse)
 @dataclass
 class Verdict:
     """What the input check of one step decided: every rank's row count, and whether this
-    step's labels were range-checked (False: an unchecked step, see ``ClassParallelHead._flag_unchecked``)."""
+    step's labels were range-checked (False: an unchecked step, see ``ClassParallelHead.flag_unchecked``)."""
     sizes: list
     labels_checked: bool
     full: bool = False  # a full check (finiteness too) was due in this step

@@ -29,7 +29,7 @@ from ds_xc.head.checks import BAD_INPUT, Verdict, decide, fill_verdict, local_pr
 from ds_xc.head.margins import TargetLoss, build_loss
 from ds_xc.head.partition import shard_range
 from ds_xc.head.softmax import sharded_margin_loss
-from ds_xc.parallel.collectives import all_gather_no_grad, all_gather_rows, exchange_sizes, gather_flat
+from ds_xc.parallel.collectives import all_gather_no_grad, all_gather_rows, exchange_sizes, merge_topk
 from ds_xc.parallel.groups import group_rank, group_size, is_distributed
 from ds_xc.sampling import ActiveSet, build_sampler
 from ops.softmax_backend import SOFTMAX_BACKENDS
@@ -147,9 +147,14 @@ class ClassParallelHead(nn.Module):
                 f"{self.world_size}, sampler={self.sampler_config.type}, update={self.update}")
 
     # ------------------------------------------------------------------ checks
-    def _check(self, embeddings: Optional[torch.Tensor], labels: torch.Tensor,
-               batch_sizes: Optional[Sequence[int]] = None, num_rows: Optional[int] = None) -> Optional[Verdict]:
+    def check_batch(self, embeddings: Optional[torch.Tensor], labels: torch.Tensor,
+                    batch_sizes: Optional[Sequence[int]] = None, num_rows: Optional[int] = None) -> Optional[Verdict]:
         """Validate this step's input on every rank and learn every rank's batch size.
+
+        The first thing of a step, before any collective: :meth:`forward` and the overlap
+        schedule (ds_xc.overlap) call it, then :meth:`flag_unchecked` on the step's loss.
+        ``embeddings`` may be None with ``num_rows`` given (the overlap schedule's backbone
+        mode, where the embeddings do not exist yet; their finiteness is checked later).
 
         Returns the step's :class:`Verdict` (every rank's row count, and whether the labels of
         this step were range-checked), or None when the step must be skipped (non-finite
@@ -163,7 +168,7 @@ class ClassParallelHead(nn.Module):
         gathers; the label-range test rides along, its cost is one compare over B labels).
         Otherwise (an unchecked step with ``batch_sizes`` given) nothing is exchanged: the
         sizes are trusted, and out-of-range labels are caught on the gathered labels by
-        :meth:`_flag_unchecked`. Every error is raised on every rank: the rank at fault names
+        :meth:`flag_unchecked`. Every error is raised on every rank: the rank at fault names
         the label, position, shape or device; the others name that rank.
         """
         rows = embeddings.shape[0] if embeddings is not None and embeddings.dim() > 0 else (num_rows or 0)
@@ -194,7 +199,7 @@ class ClassParallelHead(nn.Module):
         self._unchecked_bad = None
         return decide(self, rows_of, error, batch_sizes, full)
 
-    def _flag_unchecked(self, loss: torch.Tensor, y: torch.Tensor, verdict: Verdict) -> torch.Tensor:
+    def flag_unchecked(self, loss: torch.Tensor, y: torch.Tensor, verdict: Verdict) -> torch.Tensor:
         """An unchecked step (no exchange) never trains silently on out-of-range labels: they are
         found on the gathered labels ``y`` (N,), the same on every rank, so no collective and no
         sync is needed; the loss becomes NaN on every rank (XCEngine then skips or raises, see
@@ -230,13 +235,13 @@ class ClassParallelHead(nn.Module):
         exchanged in the input check's all-reduce. When given, they are checked against the
         exchanged ones in checked steps and trusted (no sync) in unchecked ones.
         """
-        verdict = self._check(embeddings, labels, batch_sizes)
+        verdict = self.check_batch(embeddings, labels, batch_sizes)
         if verdict is None:  # non-finite input, nonfinite="skip": agreed by every rank
             return torch.full((), float("nan"), device=embeddings.device)
         x, y = self.gather(embeddings, labels, verdict.sizes)  # (N, d), (N,)
         active = self.sampler.sample(y, x.detach() if self.sampler.needs_embeddings else None, self.weight)
         self.last_active = active
-        self._maybe_measure(x, active)
+        self.measure_sampler(x, active)
         n = x.shape[0]
         total = None
         for rows, index in active.groups():  # one group unless the sampler splits the batch
@@ -249,7 +254,7 @@ class ClassParallelHead(nn.Module):
             if active.bounds is not None:
                 part = part * ((rows.stop - rows.start) / max(n, 1))
             total = part if total is None else total + part
-        return self._flag_unchecked(total, y, verdict)
+        return self.flag_unchecked(total, y, verdict)
 
     # ------------------------------------------------------------------ sampler upkeep and metrics
     def rebuild_index(self) -> None:
@@ -262,7 +267,11 @@ class ClassParallelHead(nn.Module):
         staleness) and the last quality metrics, for logging."""
         return dict(getattr(self.sampler, "last_stats", {}), **self.last_metrics)
 
-    def _maybe_measure(self, x: torch.Tensor, active: ActiveSet) -> None:
+    def measure_sampler(self, x: torch.Tensor, active: ActiveSet) -> None:
+        """Every ``metrics_interval``-th training step: the quality of the active set (recall of the
+        exact top classes, ...) for the gathered batch ``x`` (N, d), into ``last_metrics``; collective
+        over the head's group, so every rank calls it at the same steps (forward and the overlap
+        schedule do)."""
         every = getattr(self.sampler_config, "metrics_interval", 0)
         steps = getattr(self.sampler, "steps", 0)
         if not every or not torch.is_grad_enabled() or steps % every:
@@ -307,13 +316,7 @@ class ClassParallelHead(nn.Module):
         for a in range(0, n if kl else 0, step):
             v, i = torch.topk((x[a: a + step] @ w.t()).float(), kl, dim=1)  # (n, kl)
             vals[a: a + step, :kl], ids[a: a + step, :kl] = v, i + self.class_start
-        if is_distributed(self.group):
-            vals = _gather_stack(vals, self.group)  # (P, N, k)
-            ids = _gather_stack(ids, self.group)
-            vals = vals.permute(1, 0, 2).reshape(n, -1)  # (N, P*k)
-            ids = ids.permute(1, 0, 2).reshape(n, -1)
-        best = torch.topk(vals, k, dim=1).indices  # k <= C real candidates: never a pad
-        ids = ids.gather(1, best)  # (N, k)
+        ids = merge_topk(vals, ids, k, self.group)  # (N, k); k <= C real candidates: never a pad
         start = sum(sizes[: self.rank])
         return ids[start: start + sizes[self.rank]]
 
@@ -359,10 +362,3 @@ def _checksum(weight: torch.Tensor) -> tuple:
     w = weight.detach().double()
     return (float(w.sum()), float((w * w).sum()))
 
-
-def _gather_stack(t: torch.Tensor, group) -> torch.Tensor:
-    """(N, k) on each rank -> (P, N, k)."""
-    world = group_size(group)
-    out = t.new_empty((world * t.shape[0],) + tuple(t.shape[1:]))  # gloo wants a flat (P*N, k)
-    gather_flat(out, t.contiguous(), group=group)
-    return out.view((world,) + tuple(t.shape))

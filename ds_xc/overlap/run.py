@@ -91,7 +91,7 @@ def overlapped_micro_step(xc, inputs, labels, batch_sizes=None) -> torch.Tensor:
 def end_micro_step(xc) -> None:
     """Close the micro-step's timeline (called by XCEngine.step, after the reduction was waited for)."""
     timeline = xc.schedule.timeline
-    if timeline._t0 is None:
+    if not timeline.in_step:
         return
     every = xc.config.extreme_classification.overlap.log_every
     read = bool(every) and (timeline.steps + 1) % every == 0  # only a logged step waits for its events

@@ -7,7 +7,7 @@ The local batch is split into C chunks (``torch.tensor_split`` sizes, on every r
 Per step:
 
 0. the head's input check runs before any collective of the step (one small all-reduce
-   that also exchanges the batch sizes; ClassParallelHead._check); in the backbone mode
+   that also exchanges the batch sizes; ClassParallelHead.check_batch); in the backbone mode
    the embeddings' finiteness is checked on the gathered rows instead;
 1. labels are all-gathered at once (small), the sampler picks the active set from them
    (samplers that look at the embeddings, ann, first wait for every chunk's gather);
@@ -34,14 +34,13 @@ import logging
 from typing import Callable, Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from ds_xc import config as cfg
 from ds_xc.head.softmax import finish_weight_grad, fused_loss_and_grads, inverse_row_norms
 from ds_xc.overlap.comm import PendingGather, PendingReduceScatter, split_sizes
-from ds_xc.overlap.timeline import Timeline
-from ds_xc.parallel.groups import is_distributed, new_group
+from ds_xc.parallel.timeline import Timeline
+from ds_xc.parallel.groups import copy_group
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +49,7 @@ __all__ = ["ChunkedHeadSchedule", "side_group"]
 Backward = Callable[[int, torch.Tensor, torch.Tensor, bool], None]
 
 
-def side_group(group=None):
-    """A new process group with the same ranks as ``group`` (collective: every rank calls it)."""
-    if not is_distributed(group):
-        return None
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    return new_group(ranks=ranks, backend=dist.get_backend(group))  # with the world's timeout
+side_group = copy_group  # the overlap package's name for it (kept: tests and users import it)
 
 
 def _default_backward(index: int, embeddings: torch.Tensor, grad: torch.Tensor, last: bool) -> None:
@@ -143,7 +137,7 @@ class ChunkedHeadSchedule:
         Returns None when the step is skipped (non-finite embeddings, nonfinite="skip"), else
         (verdict, per_chunk, positions, y (N,), embeds, gathers, gathered)."""
         head = self.head
-        verdict = head._check(known, labels, batch_sizes, num_rows=local_rows)
+        verdict = head.check_batch(known, labels, batch_sizes, num_rows=local_rows)
         if verdict is None:  # every rank agrees: nothing is sent
             return None
         per_chunk, positions = self._layout(verdict.sizes)
@@ -164,7 +158,7 @@ class ChunkedHeadSchedule:
               whole: Optional[torch.Tensor] = None, known: Optional[torch.Tensor] = None) -> torch.Tensor:
         head, tl, C = self.head, self.timeline, self.num_chunks
         backward = backward or _default_backward
-        own_step = tl._t0 is None
+        own_step = not tl.in_step
         if own_step:
             tl.begin_step()
         blocking = not self.overlap
@@ -220,9 +214,9 @@ class ChunkedHeadSchedule:
         if self._keep_for_metrics():
             if x_serial is None:
                 x_serial = self._assemble(gathers, gathered, positions, n)
-            head._maybe_measure(x_serial, active)
+            head.measure_sampler(x_serial, active)
         loss = (total / max(n, 1)).to(head.weight.dtype if head.weight.dtype == torch.float64 else torch.float32)
-        loss = head._flag_unchecked(loss, y, verdict)
+        loss = head.flag_unchecked(loss, y, verdict)
         if own_step:
             tl.end_step()
         return loss

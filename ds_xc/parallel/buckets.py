@@ -19,8 +19,8 @@ import logging
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
+from ds_xc.parallel.collectives import all_reduce_mean_
 from ds_xc.parallel.groups import copy_group, group_size, is_distributed
 from ds_xc.parallel.timeline import Timeline, wait_work
 
@@ -57,10 +57,17 @@ class BucketedGradReducer:
             that they never queue behind other traffic; every rank must construct the reducer).
         overlap: False launches every bucket in :meth:`finish` (the serial reduction, timed
             the same way).
+        buckets: an explicit plan, lists of parameter indices in launch order (default:
+            :func:`plan_buckets`).
+
+    Subclasses change what a bucket sends by overriding ``_launch(b)`` (the compressed
+    reducer, ds_xc/compression/overlapped.py); they use the public :meth:`launch_remaining`
+    and :meth:`wait_comm`, and the attributes ``params``, ``buckets``, ``world``, ``active``,
+    ``comm_group``, ``timeline`` and ``armed``.
     """
 
     def __init__(self, params, group=None, bucket_bytes: int = 4 << 20, timeline: Optional[Timeline] = None,
-                 comm_group=None, overlap: bool = True):
+                 comm_group=None, overlap: bool = True, buckets: Optional[list[list[int]]] = None):
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("BucketedGradReducer: no parameters with requires_grad=True")
@@ -68,7 +75,7 @@ class BucketedGradReducer:
         self.active = is_distributed(group)
         self.comm_group = comm_group if comm_group is not None else copy_group(group)
         self.timeline, self.overlap = timeline, bool(overlap)
-        self.buckets = plan_buckets(self.params, int(bucket_bytes))
+        self.buckets = plan_buckets(self.params, int(bucket_bytes)) if buckets is None else [list(b) for b in buckets]
         self._bucket_of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
         self._buffers = [None] * len(self.buckets)
         self._works: list = [None] * len(self.buckets)
@@ -100,6 +107,7 @@ class BucketedGradReducer:
         if self.overlap:
             while self._next < len(self.buckets) and self._missing[self._next] <= 0:
                 self._launch(self._next)
+                self._next += 1
                 self.launched_in_backward += 1
 
     @torch.no_grad()
@@ -118,24 +126,25 @@ class BucketedGradReducer:
             else:
                 view.copy_(p.grad.reshape(-1))
             offset += p.numel()
-        if self.active:
-            self._works[b] = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.comm_group, async_op=True)
+        if self.active:  # the mean in flight; the division waits for finish()
+            self._works[b] = all_reduce_mean_(buf, self.comm_group, async_op=True)
             if self.timeline is not None:
                 self.timeline.issued("grad_reduce", buf.numel() * buf.element_size())
-        self._next = b + 1
+
+    def launch_remaining(self) -> None:
+        """Launch the buckets not launched yet, in bucket order (parameters without a gradient count as zeros)."""
+        while self._next < len(self.buckets):
+            self._launch(self._next)
+            self._next += 1
 
     @torch.no_grad()
     def finish(self) -> None:
         """Launch the remaining buckets, wait for all, write the means into ``.grad``."""
         if not self.armed:
             self.arm()
-        while self._next < len(self.buckets):
-            self._launch(self._next)
+        self.launch_remaining()
         for b, idx in enumerate(self.buckets):
-            wait_work(self._works[b], self.timeline, "grad_reduce")
-            buf = self._buffers[b]
-            if self.world > 1:
-                buf.div_(self.world)
+            buf = self._buffers[b] if self._works[b] is None else self._works[b].wait(self.wait_comm)
             offset = 0
             for i in idx:
                 p = self.params[i]
@@ -147,6 +156,10 @@ class BucketedGradReducer:
                 offset += p.numel()
         self._works = [None] * len(self.buckets)
         self.armed = False
+
+    def wait_comm(self, work) -> None:
+        """Wait for one of this reducer's collectives (None: done), timed as ``grad_reduce``."""
+        wait_work(work, self.timeline, "grad_reduce")
 
     def remove(self) -> None:
         """Remove the gradient hooks."""

@@ -6,18 +6,23 @@
 
 Both return early when the group has one rank. gloo's all_gather needs equal sizes, so
 blocks of different lengths are padded to the longest one; the row counts must then be
-passed in (``sizes``), which keeps the collectives free of host synchronisation.
+passed in (``sizes``), which keeps the collectives free of host synchronisation. That
+padding rule lives in one place, :class:`PaddedGather` and :class:`PaddedReduceScatter`
+(issue now, unpad after the wait), which the overlap schedule's asynchronous collectives
+also use. :func:`all_reduce_mean_` is the one in-place mean of dense tensors (SUM
+all-reduce, then / P), for the compression wrapper's dense path and the bucketed reducers.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ds_xc.parallel.groups import group_rank, group_size, is_distributed
 
-__all__ = ["all_gather_rows", "all_gather_no_grad", "exchange_sizes", "gather_flat", "reduce_scatter_flat"]
+__all__ = ["all_gather_rows", "all_gather_no_grad", "exchange_sizes", "gather_flat", "reduce_scatter_flat",
+           "PaddedGather", "PaddedReduceScatter", "gather_stacked", "merge_topk", "all_reduce_mean_", "PendingMean"]
 
 # torch 2.13 renamed the flat-tensor collectives; keep older torch (>= 2.4) working too
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -38,45 +43,117 @@ def exchange_sizes(num_rows: int, group=None, device=None) -> list[int]:
     """All ranks' row counts (one small all-gather; a host sync, so call it outside hot loops)."""
     if not is_distributed(group):
         return [num_rows]
-    t = torch.tensor([num_rows], dtype=torch.int64, device=device)
-    out = torch.empty(group_size(group), dtype=torch.int64, device=device)
-    gather_flat(out, t, group=group)
-    return [int(v) for v in out.tolist()]
+    out = gather_stacked(torch.tensor([num_rows], dtype=torch.int64, device=device), group)  # (P, 1)
+    return [int(v) for v in out.view(-1).tolist()]
 
 
-def _gather(x: torch.Tensor, group, sizes: Optional[Sequence[int]]) -> torch.Tensor:
-    """(B_r, ...) on each rank -> (sum_r B_r, ...) in rank order."""
-    world = group_size(group)
-    x = x.contiguous()
-    rows = max(sizes) if sizes is not None else x.shape[0]
-    if x.shape[0] != rows:  # pad to the common length
-        pad = x.new_zeros((rows - x.shape[0],) + tuple(x.shape[1:]))
-        x = torch.cat([x, pad], 0)
-    out = x.new_empty((world * rows,) + tuple(x.shape[1:]))
-    gather_flat(out, x, group=group)
-    if sizes is None or all(s == rows for s in sizes):
-        return out
-    return torch.cat([out[r * rows: r * rows + s] for r, s in enumerate(sizes)], 0)
+class PaddedGather:
+    """All-gather of row blocks of different lengths, issued now, unpadded by :meth:`result`.
+
+    gloo's all_gather needs equal blocks: each rank's (B_r, ...) block is padded with zeros to
+    the longest, gathered flat into (P*rows, ...), and the padding is cut out again. ``sizes``:
+    every rank's B_r (None: all equal to ``x.shape[0]``). With ``async_op`` the gather is left
+    in flight (``work``); wait for it before :meth:`result`. ``nbytes``: this rank's input.
+    """
+
+    def __init__(self, x: torch.Tensor, group, sizes: Optional[Sequence[int]] = None, async_op: bool = False):
+        self.sizes = list(sizes) if sizes is not None else None
+        x = x.contiguous()
+        self.rows = max(self.sizes) if self.sizes is not None else x.shape[0]
+        if x.shape[0] != self.rows:  # pad to the common length
+            x = torch.cat([x, x.new_zeros((self.rows - x.shape[0],) + tuple(x.shape[1:]))], 0)
+        self.nbytes = x.numel() * x.element_size()
+        self.out = x.new_empty((group_size(group) * self.rows,) + tuple(x.shape[1:]))  # (P*rows, ...)
+        self.work = gather_flat(self.out, x, group=group, async_op=async_op)
+
+    def result(self) -> torch.Tensor:
+        """(sum_r B_r, ...) in rank order, once the gather is complete."""
+        rows = self.rows
+        if self.sizes is None or all(s == rows for s in self.sizes):
+            return self.out
+        return torch.cat([self.out[r * rows: r * rows + s] for r, s in enumerate(self.sizes)], 0)
 
 
-def _reduce_scatter(g: torch.Tensor, group, sizes: Optional[Sequence[int]]) -> torch.Tensor:
-    """(sum_r B_r, ...) on each rank -> this rank's (B_r, ...) block of the sum over ranks."""
-    world, rank = group_size(group), group_rank(group)
-    g = g.contiguous()
-    if sizes is None:
+class PaddedReduceScatter:
+    """Sum over ranks of (sum_r B_r, ...), this rank's (B_r, ...) block kept; issued now.
+
+    The padding rule of :class:`PaddedGather`: with uneven ``sizes`` each rank's block is
+    copied into a zero-padded (P*rows, ...) input, so every rank receives ``rows`` rows and
+    :meth:`result` keeps its first B_r. ``sizes`` None: equal blocks of ``g.shape[0] / P``.
+    """
+
+    def __init__(self, g: torch.Tensor, group, sizes: Optional[Sequence[int]] = None, rank: Optional[int] = None,
+                 async_op: bool = False):
+        world = group_size(group)
+        self.keep = None
+        g = g.contiguous()
         rows = g.shape[0] // world
-        out = g.new_empty((rows,) + tuple(g.shape[1:]))
-        reduce_scatter_flat(out, g, group=group)
-        return out
-    rows = max(sizes)
-    padded = g.new_zeros((world * rows,) + tuple(g.shape[1:]))
-    offset = 0
-    for r, s in enumerate(sizes):
-        padded[r * rows: r * rows + s] = g[offset: offset + s]
-        offset += s
-    out = g.new_empty((rows,) + tuple(g.shape[1:]))
-    reduce_scatter_flat(out, padded, group=group)
-    return out[: sizes[rank]]
+        if sizes is not None:
+            rows, self.keep = max(sizes), sizes[group_rank(group) if rank is None else rank]
+            if any(s != rows for s in sizes):
+                padded = g.new_zeros((world * rows,) + tuple(g.shape[1:]))
+                offset = 0
+                for r, s in enumerate(sizes):
+                    padded[r * rows: r * rows + s] = g[offset: offset + s]
+                    offset += s
+                g = padded
+        self.nbytes = g.numel() * g.element_size()
+        self.out = g.new_empty((rows,) + tuple(g.shape[1:]))  # (rows, ...)
+        self.work = reduce_scatter_flat(self.out, g, group=group, async_op=async_op)
+
+    def result(self) -> torch.Tensor:
+        """This rank's rows of the sum, (B_r, ...), once the reduce-scatter is complete."""
+        return self.out if self.keep is None else self.out[: self.keep]
+
+
+def gather_stacked(t: torch.Tensor, group=None) -> torch.Tensor:
+    """All-gather equal blocks: (n, ...) on each rank -> (P, n, ...), rank order."""
+    world = group_size(group)
+    out = t.new_empty((world * t.shape[0],) + tuple(t.shape[1:]))  # gloo wants a flat (P*n, ...)
+    gather_flat(out, t.contiguous(), group=group)
+    return out.view((world,) + tuple(t.shape))
+
+
+def merge_topk(vals: torch.Tensor, ids: torch.Tensor, k: int, group=None) -> torch.Tensor:
+    """Global top-k ids (n, k) from every rank's (n, k') candidates ``vals``/``ids`` for the same n
+    rows (a class-sharded top-k): gathered to (n, P*k') in rank order, then the k best."""
+    if is_distributed(group):
+        n = vals.shape[0]
+        vals = gather_stacked(vals, group).permute(1, 0, 2).reshape(n, -1)  # (P, n, k') -> (n, P*k')
+        ids = gather_stacked(ids, group).permute(1, 0, 2).reshape(n, -1)
+    return ids.gather(1, torch.topk(vals, k, dim=1).indices)
+
+
+class PendingMean:
+    """An in-place mean over a group: the SUM all-reduce, then the division by P after the wait."""
+
+    def __init__(self, tensor: torch.Tensor, group, async_op: bool):
+        self.tensor, self.world = tensor, group_size(group)
+        self.work = None
+        if is_distributed(group):
+            self.work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        self._divided = not is_distributed(group)  # one rank: the sum is the mean already
+        if not async_op:
+            self.wait()
+
+    def wait(self, waiter: Optional[Callable] = None) -> torch.Tensor:
+        """Wait for the sum (through ``waiter(work)`` when given, e.g. to time it), divide, return it."""
+        if self.work is not None:
+            waiter(self.work) if waiter is not None else self.work.wait()
+            self.work = None
+        if not self._divided:
+            self.tensor.div_(self.world)
+            self._divided = True
+        return self.tensor
+
+
+def all_reduce_mean_(tensor: torch.Tensor, group=None, async_op: bool = False) -> PendingMean:
+    """``tensor`` becomes its mean over ``group``, in place: a SUM all-reduce, then / P.
+
+    The mean of dense gradients (the compression wrapper's dense path, the bucketed reducers).
+    Returns a :class:`PendingMean`; with ``async_op`` the sum is left in flight and the tensor
+    holds the mean only after ``wait()``, otherwise it is done on return."""
+    return PendingMean(tensor, group, async_op)
 
 
 class _AllGatherRows(torch.autograd.Function):
@@ -85,11 +162,11 @@ class _AllGatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, sizes, grad_scale):
         ctx.group, ctx.sizes, ctx.grad_scale = group, sizes, grad_scale
-        return _gather(x, group, sizes)
+        return PaddedGather(x, group, sizes).result()
 
     @staticmethod
     def backward(ctx, grad):
-        out = _reduce_scatter(grad, ctx.group, ctx.sizes)
+        out = PaddedReduceScatter(grad, ctx.group, ctx.sizes).result()
         if ctx.grad_scale != 1.0:
             out = out * ctx.grad_scale
         return out, None, None, None
@@ -114,7 +191,7 @@ def all_gather_no_grad(x: torch.Tensor, group=None, sizes: Optional[Sequence[int
     if not is_distributed(group):
         return x
     with torch.no_grad():
-        return _gather(x.detach(), group, sizes)
+        return PaddedGather(x.detach(), group, sizes).result()
 
 
 class _ScaleGrad(torch.autograd.Function):

@@ -56,6 +56,12 @@ class Timeline:
         self._reset()
         self._t0 = time.perf_counter()
 
+    @property
+    def in_step(self) -> bool:
+        """True between :meth:`begin_step` and :meth:`end_step` (a caller that finds no step open
+        opens and closes its own)."""
+        return self._t0 is not None
+
     def issued(self, kind: str, nbytes: int) -> None:
         """A collective of ``nbytes`` (this rank's input) was issued."""
         self._issued[kind] += 1

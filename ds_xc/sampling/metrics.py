@@ -21,23 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ds_xc.parallel.collectives import gather_flat
-from ds_xc.parallel.groups import group_size, is_distributed
+from ds_xc.parallel.collectives import merge_topk
+from ds_xc.parallel.groups import is_distributed
 
 __all__ = ["active_set_quality"]
-
-
-def _merge_topk(vals: torch.Tensor, ids: torch.Tensor, k: int, group) -> torch.Tensor:
-    """Global top-k ids (n, k) from every rank's (n, k') local candidates."""
-    if is_distributed(group):
-        world, n = group_size(group), vals.shape[0]
-        v = vals.new_empty((world * n, vals.shape[1]))
-        i = ids.new_empty((world * n, ids.shape[1]))
-        gather_flat(v, vals.contiguous(), group)
-        gather_flat(i, ids.contiguous(), group)
-        vals = v.view(world, n, -1).permute(1, 0, 2).reshape(n, -1)
-        ids = i.view(world, n, -1).permute(1, 0, 2).reshape(n, -1)
-    return ids.gather(1, torch.topk(vals, k, dim=1).indices)
 
 
 @torch.no_grad()
@@ -70,7 +57,7 @@ def active_set_quality(x: torch.Tensor, weight: torch.Tensor, class_start: int, 
         vals = torch.full((n, k), float("-inf"), dtype=z.dtype, device=z.device)  # (n, k) padded
         ids = torch.full((n, k), -1, dtype=torch.int64, device=z.device)
         vals[:, :kl], ids[:, :kl] = top.values, top.indices + class_start
-        best = _merge_topk(vals, ids, k, group)  # (n, k) global ids; k <= C real candidates: no pad
+        best = merge_topk(vals, ids, k, group)  # (n, k) global ids; k <= C real candidates: no pad
         local = best - class_start
         mine = (local >= 0) & (local < num_local)
         lc = local.clamp(0, num_local - 1)
