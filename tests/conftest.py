@@ -5,6 +5,22 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+# Triton reads TRITON_INTERPRET when it is imported and when kernels are decorated: set it before
+# any test module imports triton (a module-level importorskip would do), so that on a machine
+# without CUDA every Triton kernel of the session runs in the CPU interpreter. The tests that
+# compile for a GPU target run in subprocesses without it.
+if not _cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from tests.dist_pool import DistPool  # noqa: E402
 
 _POOLS: dict = {}
