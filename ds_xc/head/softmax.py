@@ -119,11 +119,24 @@ def _chunk_step(x, w, rw, t, loss: TargetLoss, red: Reducer, need_grad: bool, bu
     return rows, e, inv, xs
 
 
+_MM_ROWS = 1 << 14  # weight rows per float32 block of a low-precision logits matmul on CPU
+
+
 def _mm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out (n, K) = a (n, d) @ w^T, in the statistics dtype."""
+    """out (n, K) = a (n, d) @ w^T, in the statistics dtype.
+
+    Low-precision (bf16) weights: the products are accumulated and written in float32, never
+    rounded to bf16 (a bf16 logit of magnitude 32-64 would be off by up to 0.125): on CUDA one
+    matmul with a float32 output; elsewhere (no such kernel) float32 blocks of weight rows.
+    """
     if a.dtype == w.dtype == out.dtype:
         return torch.mm(a, w.t(), out=out)
-    out.copy_(a.to(w.dtype) @ w.t())
+    if w.is_cuda and out.dtype == torch.float32:
+        out.copy_(torch.mm(a.to(w.dtype), w.t(), out_dtype=torch.float32))
+        return out
+    a32 = a.to(out.dtype)
+    for k in range(0, w.shape[0], _MM_ROWS):
+        torch.mm(a32, w[k: k + _MM_ROWS].to(out.dtype).t(), out=out[:, k: k + _MM_ROWS])  # (n, block)
     return out
 
 
