@@ -219,3 +219,15 @@ def test_bf16_logits_and_gradient_in_float32(loss_name):
     assert wb.grad.dtype == torch.bfloat16
     rel = (wb.grad.double() - w64.grad).norm() / w64.grad.norm()
     assert rel < 2 ** -8
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_logits_float32_on_cuda():
+    from ds_xc.head.softmax import _mm
+
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(32, 64, generator=gen).cuda()
+    w = torch.randn(3000, 64, generator=gen).to(torch.bfloat16).cuda()
+    out = torch.empty(32, 3000, device="cuda")
+    ref = a.to(torch.bfloat16).double() @ w.double().t()
+    assert (_mm(a, w, out).double() - ref).abs().max().item() < 1e-3  # bf16 output would be off ~0.03

@@ -20,6 +20,7 @@ The maths in :func:`_chunk_step` is plain tensor code; communication goes throug
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -120,6 +121,7 @@ def _chunk_step(x, w, rw, t, loss: TargetLoss, red: Reducer, need_grad: bool, bu
 
 
 _MM_ROWS = 1 << 14  # weight rows per float32 block of a low-precision logits matmul on CPU
+_CUDA_OUT_DTYPE = [True]  # whether torch.mm(..., out_dtype=) works on CUDA (checked at first use)
 
 
 def _mm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -131,9 +133,14 @@ def _mm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """
     if a.dtype == w.dtype == out.dtype:
         return torch.mm(a, w.t(), out=out)
-    if w.is_cuda and out.dtype == torch.float32:
-        out.copy_(torch.mm(a.to(w.dtype), w.t(), out_dtype=torch.float32))
-        return out
+    if w.is_cuda and out.dtype == torch.float32 and _CUDA_OUT_DTYPE[0]:
+        try:
+            out.copy_(torch.mm(a.to(w.dtype), w.t(), out_dtype=torch.float32))
+            return out
+        except (RuntimeError, NotImplementedError, TypeError) as exc:  # a torch without mm(out_dtype=)
+            _CUDA_OUT_DTYPE[0] = False
+            logging.getLogger(__name__).warning("torch.mm(out_dtype=float32) unavailable (%s): bf16 logits "
+                                                "use float32 blocks of weight rows", exc)
     a32 = a.to(out.dtype)
     for k in range(0, w.shape[0], _MM_ROWS):
         torch.mm(a32, w[k: k + _MM_ROWS].to(out.dtype).t(), out=out[:, k: k + _MM_ROWS])  # (n, block)
