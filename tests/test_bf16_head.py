@@ -231,3 +231,32 @@ def test_bf16_logits_float32_on_cuda():
     out = torch.empty(32, 3000, device="cuda")
     ref = a.to(torch.bfloat16).double() @ w.double().t()
     assert (_mm(a, w, out).double() - ref).abs().max().item() < 1e-3  # bf16 output would be off ~0.03
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_head_checkpoint_resume_bitwise(tmp_path, mode):
+    """save_head_state / load_head_state (the engine's checkpoint path) keep the bf16 states,
+    their dtypes and the rounding stream: the resumed head steps exactly like the original."""
+    from ds_xc.checkpoint import load_head_state, save_head_state
+
+    section = {"type": "adamw", "lr": 1e-3, "weight_decay": 0.01, "bf16_update": mode}
+    heads = [ds_xc.ClassParallelHead(16, 97, dtype="bfloat16", seed=5) for _ in range(2)]
+    opts = [ds_xc.build_head_optimizer(h, section) for h in heads]
+    gen = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(8, 16, generator=gen), torch.randint(0, 97, (8,), generator=gen)) for _ in range(6)]
+
+    def step(i, x, y):
+        heads[i](x, y).backward()
+        opts[i].step()
+        opts[i].zero_grad(set_to_none=True)
+
+    for x, y in batches[:3]:
+        step(0, x, y)
+    save_head_state(str(tmp_path), heads[0], opts[0])
+    load_head_state(str(tmp_path), heads[1], opts[1])
+    for x, y in batches[3:]:
+        step(0, x, y)
+        step(1, x, y)
+    assert torch.equal(heads[0].weight, heads[1].weight)
+    for key, value in opts[0].state[heads[0].weight].items():
+        assert torch.equal(opts[1].state[heads[1].weight][key], value), key
