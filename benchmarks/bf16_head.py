@@ -92,6 +92,7 @@ def parse_args(argv=None):
     p.add_argument("--work_dir", default=os.path.join(os.path.dirname(sa.DEFAULT_WORK), "bf16_head"),
                    help="run summaries and logs (reused unless --rerun)")
     p.add_argument("--rerun", action="store_true")
+    p.add_argument("--only_cached", action="store_true", help="report the cached runs only; list the others")
     p.add_argument("--out", default=os.path.join(sa.RESULTS, "bf16_head.md"), help="markdown ('-': none)")
     p.add_argument("--smoke", action="store_true", help="text 2,000 classes, 20 steps, writes nothing")
     args = p.parse_args(argv)
@@ -106,7 +107,16 @@ def parse_args(argv=None):
     args.config_list = [names[c] if c in names else p.error(f"--configs: unknown {c!r}; allowed {list(names)}")
                         for c in args.configs.split(",") if c]
     args.seed_list = [int(s) for s in args.seeds.split(",") if s]
+    args.skipped = []
     return args
+
+
+def _cached(ns, task: str) -> bool:
+    """Whether sampler_accuracy's run cache holds this run's summary."""
+    spec = sa.TASKS[task]
+    key = sa.run_key(task, {"type": "full"}, ns.steps.get(task, spec["steps"]),
+                     ns.num_classes.get(task, spec["num_classes"]), ns.seed, ns.sets)
+    return os.path.exists(os.path.join(ns.work_dir, key + ".json"))
 
 
 def run_all(args) -> list:
@@ -118,6 +128,9 @@ def run_all(args) -> list:
                 ns = SimpleNamespace(num_classes=sa._per_task(args.num_classes, int), steps=sa._per_task(args.steps, int),
                                      eval_every=sa._per_task(args.eval_every, int), seed=seed, sets=sets,
                                      work_dir=args.work_dir, rerun=args.rerun)
+                if args.only_cached and not _cached(ns, task):
+                    args.skipped.append(f"{task} {label} seed {seed}")
+                    continue
                 res = sa.run_one(ns, task, {"type": "full"}, label)
                 res["memory"] = measure_memory(head_section(sa.TASKS[task], res["num_classes"], sets, seed))
                 res.update(config=label, seed=seed)
@@ -161,7 +174,8 @@ def render(results: list, args, command: str, started: str, wall_s: float) -> st
              "- memory: weights + head-optimizer state, bytes of the tensors after one step of the same "
              "head and optimizer (world size 1); `B/elt`: bytes per weight element",
              f"- targets: bf16 stochastic_rounding within {100 * TARGET_TOP1:.1f} point top-1 of fp32 at "
-             f"{TARGET_MEMORY[0]}-{TARGET_MEMORY[1]}x of its persistent memory", ""]
+             f"{TARGET_MEMORY[0]}-{TARGET_MEMORY[1]}x of its persistent memory",
+             *([f"- not run (time; `--only_cached`): {', '.join(args.skipped)}"] if args.skipped else []), ""]
     for task in [t for t in sa.TASKS if any(r["task"] == t for r in results)]:
         rows = [r for r in results if r["task"] == task]
         fp32 = [r for r in rows if r["config"] == "fp32"]
