@@ -185,6 +185,13 @@ class HeadOptimizerConfig(_Section):
     update: Literal["dense", "lazy"] = Field(
         "dense", description="dense: exact dense optimizer semantics; lazy: only the active rows "
         "(and their optimizer state) are touched each step, O(K*d) per step.")
+    bf16_update: Literal["stochastic_rounding", "master_fp32", "plain"] = Field(
+        "stochastic_rounding", description="How the head optimizer writes updates into bfloat16 weights "
+        "(dtype: bfloat16 only; ignored otherwise). stochastic_rounding: float32 update, stochastically "
+        "rounded bf16 weights and first moments, float32 AdamW second moment (SGD 4 B/weight, AdamW 8 B, "
+        "vs 8 and 12 in float32); master_fp32: a float32 master copy and float32 states (SGD 10 B, "
+        "AdamW 14 B: the float32 trajectory, more memory than float32); plain: round to nearest, all "
+        "states bf16 (updates below half a bf16 ulp are lost). See docs/head.md (bf16 head).")
     lr_schedule: Literal["follow_engine", "constant"] = Field(
         "follow_engine", description="follow_engine scales the head lr by the engine scheduler's "
         "lr / its initial lr; constant keeps lr.")

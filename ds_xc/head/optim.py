@@ -20,6 +20,13 @@ dtypes: state tensors follow the weight's device at the next step (after ``head.
 with (the weight's at the first step) and survives ``head.to(dtype)``, so the update accepts
 moments of another dtype than the weight. torch's ``load_state_dict`` casts floating state
 to the weight's device and dtype.
+
+bfloat16 weights (``bf16_update``, see ds_xc/head/bf16.py): the update is computed in
+float32 on block-sized temporaries and rounded back stochastically (``stochastic_rounding``:
+bf16 weights and first moments, float32 AdamW second moment), from a float32 master copy
+(``master_fp32``: float32 master and states, bf16 weight = its rounded copy), or to nearest
+(``plain``: every state bf16; updates below half a bf16 ulp are lost). float32/float64
+weights ignore ``bf16_update`` and take the original in-place path.
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ import torch
 from torch.optim import Optimizer
 
 from ds_xc import config as cfg
+from ds_xc.head.bf16 import BF16_UPDATES, round_to_bf16
 
 __all__ = ["HeadSGD", "HeadAdamW", "build_head_optimizer"]
 
@@ -63,13 +71,86 @@ def _blocks(n: int):
         yield slice(a, min(a + _BLOCK, n))
 
 
-class HeadSGD(Optimizer):
-    """torch.optim.SGD's update (momentum, L2 weight decay, Nesterov), in place, dense or lazy."""
+def _get(t: torch.Tensor, sel) -> torch.Tensor:
+    """Rows ``sel`` (a block slice: a view; row ids: a gathered copy) as float32 (a view if t is)."""
+    rows = t[sel] if isinstance(sel, slice) else t.index_select(0, sel)
+    return rows.float()
+
+
+class _HeadOptimizer(Optimizer):
+    """Shared bf16 machinery: the update mode, the rounding generator and its state dict entry."""
+
+    _FP32_KEYS: dict = {}  # mode -> state keys kept in float32 for bf16 weights
+
+    def __init__(self, params, defaults: dict, bf16_update: str, seed: int):
+        if bf16_update not in BF16_UPDATES:
+            raise cfg.ConfigError(f"{cfg.HEAD_SECTION}.optimizer.bf16_update: got {bf16_update!r}; "
+                                  f"allowed: {list(BF16_UPDATES)}")
+        super().__init__(params, defaults)
+        self.bf16_update, self.seed = bf16_update, int(seed)
+        self._gen = None
+
+    def _generator(self, device) -> torch.Generator:
+        if self._gen is None:
+            self._gen = torch.Generator(device=device).manual_seed(self.seed)
+        return self._gen
+
+    def _state_dtype(self, p: torch.Tensor, key: str) -> torch.dtype:
+        if p.dtype == torch.bfloat16 and key in self._FP32_KEYS.get(self.bf16_update, ()):
+            return torch.float32
+        return p.dtype
+
+    def _put(self, t: torch.Tensor, sel, x: torch.Tensor) -> None:
+        """Store float32 rows x into t's rows ``sel``, rounding to bf16 as the mode says."""
+        if t.dtype == torch.bfloat16:
+            x = round_to_bf16(x, self.bf16_update == "stochastic_rounding", self._gen)
+        elif isinstance(sel, slice):
+            return  # x is t's own float32 view, already updated in place
+        if isinstance(sel, slice):
+            t[sel].copy_(x)
+        else:
+            t.index_copy_(0, sel, x)
+
+    def _bf16_weight(self, p: torch.Tensor, state: dict) -> torch.Tensor:
+        """The tensor the update reads and writes: the float32 master (master_fp32) or p."""
+        if self.bf16_update != "master_fp32":
+            return p
+        if "master" not in state:
+            state["master"] = p.detach().float()  # (L, d)
+        return state["master"]
+
+    def state_dict(self):
+        sd = super().state_dict()
+        if self._gen is not None:
+            sd["bf16_rng"] = self._gen.get_state()
+        return sd
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        rng = state_dict.pop("bf16_rng", None)
+        super().load_state_dict(state_dict)  # casts floating state to the parameter's dtype ...
+        params = [p for g in self.param_groups for p in g["params"]]
+        for idx, saved in state_dict.get("state", {}).items():  # ... so restore float32 states
+            p = params[idx]
+            for key, value in saved.items():
+                if torch.is_tensor(value) and value.dim() >= 1 and key in self.state[p]:
+                    self.state[p][key] = value.to(device=p.device, dtype=self._state_dtype(p, key), copy=True)
+        if rng is not None and params:
+            self._generator(params[0].device).set_state(rng)
+
+
+class HeadSGD(_HeadOptimizer):
+    """torch.optim.SGD's update (momentum, L2 weight decay, Nesterov), in place, dense or lazy.
+
+    bf16 weights: see ``bf16_update`` in the module docstring; ``seed`` seeds the rounding."""
+
+    _FP32_KEYS = {"master_fp32": ("master", "momentum_buffer")}
 
     def __init__(self, params, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
-                 nesterov: bool = False, lazy: bool = False):
+                 nesterov: bool = False, lazy: bool = False, bf16_update: str = "stochastic_rounding",
+                 seed: int = 0):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
-                                      nesterov=nesterov, lazy=lazy))
+                                      nesterov=nesterov, lazy=lazy), bf16_update, seed)
 
     @staticmethod
     def _update(p, g, buf, lr, mu, wd, nesterov):
@@ -93,9 +174,12 @@ class HeadSGD(Optimizer):
                 if mu:
                     state = self.state[p]
                     if "momentum_buffer" not in state:
-                        state["momentum_buffer"] = torch.zeros_like(p)
+                        state["momentum_buffer"] = torch.zeros_like(p, dtype=self._state_dtype(p, "momentum_buffer"))
                     _follow_device(state, p)
                     buf = state["momentum_buffer"]
+                if p.dtype == torch.bfloat16:
+                    self._step_bf16(p, rows, g, buf, lr, mu, wd, nest)
+                    continue
                 if rows is None:
                     for s in _blocks(p.shape[0]):
                         d = self._update(p[s], g[s], None if buf is None else buf[s], lr, mu, wd, nest)
@@ -110,13 +194,35 @@ class HeadSGD(Optimizer):
                     p.index_add_(0, r, d.to(p.dtype), alpha=-lr)
         return loss
 
+    def _step_bf16(self, p, rows, g, buf, lr, mu, wd, nest):
+        """bf16 weight: the float32 update of each block, rounded back per ``bf16_update``."""
+        self._generator(p.device)
+        w_src = self._bf16_weight(p, self.state[p])
+        n = p.shape[0] if rows is None else rows.numel()
+        for s in _blocks(n):
+            sel = s if rows is None else rows[s]  # a block of rows, or a block of row ids
+            w = _get(w_src, sel)  # (B, d) float32
+            b = None if buf is None else _get(buf, sel)
+            d = self._update(w, g[s].float(), b, lr, mu, wd, nest)
+            w.add_(d, alpha=-lr)
+            if b is not None:
+                self._put(buf, sel, b)
+            if w_src is not p:
+                self._put(w_src, sel, w)
+            self._put(p, sel, w)
 
-class HeadAdamW(Optimizer):
-    """torch.optim.AdamW's update (decoupled weight decay), in place, dense or lazy."""
+
+class HeadAdamW(_HeadOptimizer):
+    """torch.optim.AdamW's update (decoupled weight decay), in place, dense or lazy.
+
+    bf16 weights: see ``bf16_update`` in the module docstring; ``seed`` seeds the rounding."""
+
+    _FP32_KEYS = {"master_fp32": ("master", "exp_avg", "exp_avg_sq"), "stochastic_rounding": ("exp_avg_sq",)}
 
     def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 lazy: bool = False):
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, lazy=lazy))
+                 lazy: bool = False, bf16_update: str = "stochastic_rounding", seed: int = 0):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, lazy=lazy),
+                         bf16_update, seed)
 
     @staticmethod
     def _update(p, g, m, v, lr, b1, b2, eps, wd, bc1, bc2):
@@ -138,34 +244,56 @@ class HeadAdamW(Optimizer):
                     continue
                 rows, g = _rows(p, group["lazy"])
                 state = self.state[p]
-                if not state:
+                if "step" not in state:
                     state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=self._state_dtype(p, "exp_avg"))
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=self._state_dtype(p, "exp_avg_sq"))
                 _follow_device(state, p)
                 state["step"] += 1
                 t = float(state["step"])
-                bc1, bc2 = 1.0 - b1 ** t, 1.0 - b2 ** t
+                hyper = (lr, b1, b2, eps, wd, 1.0 - b1 ** t, 1.0 - b2 ** t)
                 m, v = state["exp_avg"], state["exp_avg_sq"]
+                if p.dtype == torch.bfloat16:
+                    self._step_bf16(p, rows, g, m, v, hyper)
+                    continue
                 if rows is None:
                     for s in _blocks(p.shape[0]):
-                        self._update(p[s], g[s], m[s], v[s], lr, b1, b2, eps, wd, bc1, bc2)
+                        self._update(p[s], g[s], m[s], v[s], *hyper)
                     continue
                 for s in _blocks(rows.numel()):  # gathered row copies: block-sized temporaries
                     r = rows[s]
                     pr, mr, vr = p.index_select(0, r), m.index_select(0, r), v.index_select(0, r)
-                    self._update(pr, g[s], mr, vr, lr, b1, b2, eps, wd, bc1, bc2)
+                    self._update(pr, g[s], mr, vr, *hyper)
                     m.index_copy_(0, r, mr)
                     v.index_copy_(0, r, vr)
                     p.index_copy_(0, r, pr)
         return loss
+
+    def _step_bf16(self, p, rows, g, m, v, hyper):
+        """bf16 weight: the float32 update of each block, rounded back per ``bf16_update``."""
+        self._generator(p.device)
+        w_src = self._bf16_weight(p, self.state[p])
+        n = p.shape[0] if rows is None else rows.numel()
+        for s in _blocks(n):
+            sel = s if rows is None else rows[s]  # a block of rows, or a block of row ids
+            w, mb, vb = _get(w_src, sel), _get(m, sel), _get(v, sel)  # (B, d) float32 each
+            self._update(w, g[s].float(), mb, vb, *hyper)
+            self._put(m, sel, mb)
+            self._put(v, sel, vb)
+            if w_src is not p:
+                self._put(w_src, sel, w)
+            self._put(p, sel, w)
 
 
 def build_head_optimizer(head, section) -> Optimizer:
     """The head's optimizer from ``extreme_classification.optimizer`` (dict or model)."""
     c = cfg.validate_section(cfg.HeadOptimizerConfig, section, f"{cfg.HEAD_SECTION}.optimizer")
     lazy = c.update == "lazy"
+    # the rounding stream: per rank (shards must not share bits), reproducible from the head seed
+    seed = (1_000_003 * int(getattr(head, "seed", 0)) + 7919 * (int(getattr(head, "rank", 0)) + 1)) % (2**63)
+    bf16 = dict(bf16_update=c.bf16_update, seed=seed)
     if c.type == "sgd":
         return HeadSGD([head.weight], lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay,
-                       nesterov=c.nesterov, lazy=lazy)
-    return HeadAdamW([head.weight], lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay, lazy=lazy)
+                       nesterov=c.nesterov, lazy=lazy, **bf16)
+    return HeadAdamW([head.weight], lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
+                     lazy=lazy, **bf16)

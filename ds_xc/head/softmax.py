@@ -20,6 +20,7 @@ The maths in :func:`_chunk_step` is plain tensor code; communication goes throug
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -119,11 +120,30 @@ def _chunk_step(x, w, rw, t, loss: TargetLoss, red: Reducer, need_grad: bool, bu
     return rows, e, inv, xs
 
 
+_MM_ROWS = 1 << 14  # weight rows per float32 block of a low-precision logits matmul on CPU
+_CUDA_OUT_DTYPE = [True]  # whether torch.mm(..., out_dtype=) works on CUDA (checked at first use)
+
+
 def _mm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out (n, K) = a (n, d) @ w^T, in the statistics dtype."""
+    """out (n, K) = a (n, d) @ w^T, in the statistics dtype.
+
+    Low-precision (bf16) weights: the products are accumulated and written in float32, never
+    rounded to bf16 (a bf16 logit of magnitude 32-64 would be off by up to 0.125): on CUDA one
+    matmul with a float32 output; elsewhere (no such kernel) float32 blocks of weight rows.
+    """
     if a.dtype == w.dtype == out.dtype:
         return torch.mm(a, w.t(), out=out)
-    out.copy_(a.to(w.dtype) @ w.t())
+    if w.is_cuda and out.dtype == torch.float32 and _CUDA_OUT_DTYPE[0]:
+        try:
+            out.copy_(torch.mm(a.to(w.dtype), w.t(), out_dtype=torch.float32))
+            return out
+        except (RuntimeError, NotImplementedError, TypeError) as exc:  # a torch without mm(out_dtype=)
+            _CUDA_OUT_DTYPE[0] = False
+            logging.getLogger(__name__).warning("torch.mm(out_dtype=float32) unavailable (%s): bf16 logits "
+                                                "use float32 blocks of weight rows", exc)
+    a32 = a.to(out.dtype)
+    for k in range(0, w.shape[0], _MM_ROWS):
+        torch.mm(a32, w[k: k + _MM_ROWS].to(out.dtype).t(), out=out[:, k: k + _MM_ROWS])  # (n, block)
     return out
 
 
