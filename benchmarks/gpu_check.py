@@ -96,7 +96,7 @@ def check_env(ctx: dict):
 def check_build_cuda(ctx: dict):
     if ctx["dry_run"]:
         return "SKIP", "dry run: no CUDA device; CI compiles the .cu with nvcc (tests/test_ops_hamming.py)"
-    from ops import builders
+    from ds_xc_ops import builders
     start = time.perf_counter()
     op = builders.load_op("cuda", verbose=False)
     if op is None:
@@ -109,9 +109,9 @@ def _triton_kernels():
     import torch
     from tests.reference import LOSSES as LOSS_CFG
     from ds_xc.head.margins import build_loss
-    from ops.hamming import hamming_topk_ivf
-    from ops.triton_select import select_above
-    from ops.triton_softmax import triton_fused_loss_and_grads
+    from ds_xc_ops.hamming import hamming_topk_ivf
+    from ds_xc_ops.triton_select import select_above
+    from ds_xc_ops.triton_softmax import triton_fused_loss_and_grads
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(48, 32, generator=gen).to(dev)

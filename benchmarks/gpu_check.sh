@@ -18,7 +18,9 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
         --target /tmp/ds_xc_site .whl/*.whl
     export PYTHONPATH="/tmp/ds_xc_site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# the ops/ folder installs as ds_xc_ops: without an install, a link in a private folder stands in
+mkdir -p /tmp/ds_xc_src && ln -sfn "$PWD/ops" /tmp/ds_xc_src/ds_xc_ops
+export PYTHONPATH="$PWD:/tmp/ds_xc_src${PYTHONPATH:+:$PYTHONPATH}"
 missing=$("$PY" - <<'PY'
 import importlib.util
 print(" ".join(m for m in ("torch", "deepspeed", "faiss", "pydantic", "einops", "hjson", "triton")

@@ -29,8 +29,8 @@ import faiss
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ops import builders, hamming as H  # noqa: E402
-from ops.hamming_faiss import FaissBinaryIVF, faiss_topk_flat  # noqa: E402
+from ds_xc_ops import builders, hamming as H  # noqa: E402
+from ds_xc_ops.hamming_faiss import FaissBinaryIVF, faiss_topk_flat  # noqa: E402
 
 
 def _noise(g, shape, ands: int) -> torch.Tensor:

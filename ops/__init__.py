@@ -6,11 +6,11 @@ The Hamming top-k scan (binary codes + inverted file) used by the ANN sampler:
 
 Triton kernels (optional) are imported on use, never here, since Triton reads
 TRITON_INTERPRET when its kernels are decorated: the fused class-parallel margin softmax
-(``ops.triton_softmax``, chosen by ``ops.softmax_backend``), the Hamming scan
-(``ops.hamming_triton``, ``backend="triton"``) and the compressors' threshold selection
-(``ops.triton_select.select_above``).
+(``ds_xc_ops.triton_softmax``, chosen by ``ds_xc_ops.softmax_backend``), the Hamming scan
+(``ds_xc_ops.hamming_triton``, ``backend="triton"``) and the compressors' threshold selection
+(``ds_xc_ops.triton_select.select_above``).
 """
-from ops.hamming import (available_backends, hamming_topk_flat, hamming_topk_ivf,
+from ds_xc_ops.hamming import (available_backends, hamming_topk_flat, hamming_topk_ivf,
                          pack_signs, unpack_bits)
 
 __all__ = ["hamming_topk_ivf", "hamming_topk_flat", "pack_signs", "unpack_bits",

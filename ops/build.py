@@ -1,7 +1,7 @@
 """Prebuild the native Hamming ops into the torch extensions cache.
 
-    python -m ops.build            # the C++ CPU op, and the CUDA op when CUDA is available
-    python -m ops.build --verbose  # show the compiler commands
+    python -m ds_xc_ops.build            # the C++ CPU op, and the CUDA op when CUDA is available
+    python -m ds_xc_ops.build --verbose  # show the compiler commands
 
 Later processes then only load the cached library. Exits 1 if a requested op fails.
 """
@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from ops import builders
+from ds_xc_ops import builders
 
 
 def main(argv=None) -> int:

@@ -44,7 +44,7 @@ class HammingBuilder(OpBuilder):
         super().__init__(name=self.NAME)
 
     def absolute_name(self):
-        return f"ops.{self.NAME}_op"
+        return f"ds_xc_ops.{self.NAME}_op"
 
     def sources(self):
         return [os.path.join(CSRC, "hamming_cpu.cpp")]
@@ -68,7 +68,7 @@ class HammingCudaBuilder(CUDAOpBuilder):
         super().__init__(name=self.NAME)
 
     def absolute_name(self):
-        return f"ops.{self.NAME}_op"
+        return f"ds_xc_ops.{self.NAME}_op"
 
     def sources(self):
         return [os.path.join(CSRC, "hamming_cuda_binding.cpp"),

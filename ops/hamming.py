@@ -27,9 +27,9 @@ import operator
 
 import torch
 
-from ops import builders
-from ops.hamming_torch import topk_ivf_torch
-from ops.triton_util import triton_unusable_reason
+from ds_xc_ops import builders
+from ds_xc_ops.hamming_torch import topk_ivf_torch
+from ds_xc_ops.triton_util import triton_unusable_reason
 
 __all__ = ["hamming_topk_ivf", "hamming_topk_flat", "pack_signs", "unpack_bits",
            "available_backends", "BACKENDS", "CUDA_MAX_K", "TRITON_MAX_K"]
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "torch", "cpu", "cuda", "triton", "faiss")
 CUDA_MAX_K = 2048  # the CUDA kernel keeps the k results in shared memory
-TRITON_MAX_K = 1024  # = ops.hamming_triton.TRITON_MAX_K (keys in registers); not imported: triton is optional
+TRITON_MAX_K = 1024  # = ds_xc_ops.hamming_triton.TRITON_MAX_K (keys in registers); not imported: triton is optional
 TRITON_ID_LIMIT = 1 << 52  # the Triton kernel packs ids below the distance in an int64 key
 _LOGGED: set = set()  # messages logged once per process
 
@@ -215,7 +215,7 @@ def _run_native(name, q_codes, list_codes, list_ids, list_offsets, probes, k):
     op = _cpu_op() if name == "cpu" else _cuda_op()
     if op is None:
         raise RuntimeError(f"backend={name!r} is unavailable: its op did not build (see the "
-                           "warning logged by ops.builders); use backend='auto' or 'torch'")
+                           "warning logged by ds_xc_ops.builders); use backend='auto' or 'torch'")
     args = [t.contiguous() for t in (q_codes, list_codes, list_ids, list_offsets, probes)]
     if name == "cpu":
         return op.hamming_topk_ivf(*args, k)
@@ -228,7 +228,7 @@ def _run_triton(q_codes, list_codes, list_ids, list_offsets, probes, k, check):
     """The Triton scan (imported here: triton is optional and its import is slow)."""
     if check and list_ids.numel() and int(list_ids.max()) >= TRITON_ID_LIMIT:
         raise ValueError(f"backend='triton' needs list_ids < 2^52, got max {int(list_ids.max())}")
-    from ops.hamming_triton import topk_ivf_triton
+    from ds_xc_ops.hamming_triton import topk_ivf_triton
     return topk_ivf_triton(q_codes, list_codes, list_ids, list_offsets, probes, k)
 
 
@@ -256,7 +256,7 @@ def hamming_topk_ivf(q_codes, list_codes, list_ids, list_offsets, probes, k: int
     if name == "triton":
         return _run_triton(q_codes, list_codes, list_ids, list_offsets, probes, k, check)
     if name == "faiss":
-        from ops.hamming_faiss import FaissBinaryIVF
+        from ds_xc_ops.hamming_faiss import FaissBinaryIVF
         return FaissBinaryIVF(list_codes, list_ids, list_offsets).search(q_codes, probes, k)
     return _run_native(name, q_codes, list_codes, list_ids, list_offsets, probes, k)
 
@@ -273,7 +273,7 @@ def hamming_topk_flat(q_codes, db_codes, k: int, backend: str = "auto"):
         raise ValueError(f"q_codes and db_codes must be on one device, got {q_codes.device} "
                          f"and {db_codes.device}")
     if backend == "faiss" and db_codes.device.type == "cpu" and k > 0:
-        from ops.hamming_faiss import faiss_topk_flat
+        from ds_xc_ops.hamming_faiss import faiss_topk_flat
         return faiss_topk_flat(q_codes, db_codes, k)
     dev, rows, n = db_codes.device, db_codes.shape[0], q_codes.shape[0]
     ids = torch.arange(rows, dtype=torch.int64, device=dev)

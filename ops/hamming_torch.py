@@ -1,7 +1,7 @@
 """Pure-PyTorch Hamming top-k scan: the reference that defines the semantics.
 
 Every other backend (C++, CUDA, faiss) is tested for exact equality against this one.
-Semantics (inputs already validated by ``ops.hamming``): for query i, the candidates are
+Semantics (inputs already validated by ``ds_xc_ops.hamming``): for query i, the candidates are
 the rows of every probed list (``probes[i, j] >= 0``; ``probes`` holds no repeats); the
 result is the k candidates of smallest (Hamming distance, id), ascending, ties broken by
 the smaller id; missing entries are padded with (code_bits + 1, -1).
@@ -109,7 +109,7 @@ def _chunks(cand: torch.Tensor, budget: int):
 
 def topk_ivf_torch(q_codes, list_codes, list_ids, list_offsets, probes, k: int,
                    pair_budget: int = PAIR_BUDGET, block_bytes: int = BLOCK_BYTES):
-    """Reference IVF scan. Same arguments and result as ``ops.hamming.hamming_topk_ivf``.
+    """Reference IVF scan. Same arguments and result as ``ds_xc_ops.hamming.hamming_topk_ivf``.
 
     q_codes (N, B) uint8, list_codes (R, B) uint8, list_ids (R,) int64, list_offsets
     (L+1,) int64, probes (N, P) int64 (-1 = skip, no repeats). Returns dist (N, k) int32

@@ -1,7 +1,7 @@
 """Hamming top-k over probed inverted lists: a Triton kernel (GPU, or the CPU interpreter).
 
-Same semantics as ``ops.hamming_torch.topk_ivf_torch`` (the reference); called through
-``ops.hamming.hamming_topk_ivf(..., backend="triton")``, which validates the inputs and
+Same semantics as ``ds_xc_ops.hamming_torch.topk_ivf_torch`` (the reference); called through
+``ds_xc_ops.hamming.hamming_topk_ivf(..., backend="triton")``, which validates the inputs and
 removes repeated probes first.
 
 Layout: a 2-D grid (query, probe split). Program (i, s) scans the probes
@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from ops.triton_util import HAVE_TRITON, interpreting
+from ds_xc_ops.triton_util import HAVE_TRITON, interpreting
 
 __all__ = ["topk_ivf_triton", "TRITON_MAX_K", "ID_LIMIT"]
 
@@ -152,9 +152,9 @@ def default_splits(num_queries: int, num_probes: int, device: torch.device) -> i
 
 def topk_ivf_triton(q_codes, list_codes, list_ids, list_offsets, probes, k: int,
                     splits: int | None = None, merge: str | None = None):
-    """Triton IVF scan; same arguments and result as ``ops.hamming_torch.topk_ivf_torch``.
+    """Triton IVF scan; same arguments and result as ``ds_xc_ops.hamming_torch.topk_ivf_torch``.
 
-    Inputs are already validated by ``ops.hamming`` (probes without repeats, ids in
+    Inputs are already validated by ``ds_xc_ops.hamming`` (probes without repeats, ids in
     [0, 2^52)); 1 <= k <= TRITON_MAX_K. ``splits`` (probe splits per query, default
     ``default_splits``) trades parallelism for a larger final merge. ``merge`` is how a
     tile enters the running keys: "sort" (tl.sort, the GPU default) or "rank" (rank

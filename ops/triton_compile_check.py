@@ -6,8 +6,8 @@ the register budget are only seen by the compiler. ``triton.compile`` needs no d
 it lowers to PTX and assembles a cubin with the ptxas bundled in the triton wheel. Run it
 without ``TRITON_INTERPRET`` (the kernels must be decorated as compiled kernels)::
 
-    python -m ops.triton_compile_check              # sm_90a, the test configurations
-    python -m ops.triton_compile_check --arch 80 --full
+    python -m ds_xc_ops.triton_compile_check              # sm_90a, the test configurations
+    python -m ds_xc_ops.triton_compile_check --arch 80 --full
 
 Each line reports the registers and spill bytes that ``ptxas -v`` gives for the kernel,
 and "popc" when the scan's PTX uses the hardware popcount.
@@ -64,14 +64,14 @@ def compile_kernels(arch: int = 90, full: bool = False) -> list:
 
     Raises whatever triton.compile raises (a compile error is the point of the check).
     """
-    from ops.triton_util import interpreting
+    from ds_xc_ops.triton_util import interpreting
     if interpreting():
         raise RuntimeError("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from ops import hamming_triton, triton_select
+    from ds_xc_ops import hamming_triton, triton_select
     target = GPUTarget("cuda", arch, 32)
     ptx_arch = f"{arch}a" if arch >= 90 else str(arch)
     lines = []

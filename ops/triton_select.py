@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ops.triton_util import HAVE_TRITON, triton_unusable_reason
+from ds_xc_ops.triton_util import HAVE_TRITON, triton_unusable_reason
 
 __all__ = ["select_above", "select_above_torch", "SELECT_BACKENDS", "TRITON_DTYPES", "DEFAULT_BLOCK"]
 

@@ -110,7 +110,7 @@ def _target_cosines(x, w, targets, rx, rw, has_t):
 
 def _row_stats(x, w, rx, rw, t32, zt, tiles, scale):
     """Launch the forward kernel; (N,) local row max and sum-exp (sum-exp 0 where all masked)."""
-    from ops.triton_softmax_kernels import forward_stats_kernel
+    from ds_xc_ops.triton_softmax_kernels import forward_stats_kernel
     n, d = x.shape
     k = w.shape[0]
     num_tiles = _cdiv(k, tiles.block_n)
@@ -133,7 +133,7 @@ def _cdiv(a: int, b: int) -> int:
 
 def _gradients(x, w, rx, rw, t32, lse, gt, need_gx, need_gw, gw, tiles, scale):
     """Launch the backward kernel; returns A (N, d) fp32 or None, and adds into gw (K, d)."""
-    from ops.triton_softmax_kernels import backward_kernel
+    from ds_xc_ops.triton_softmax_kernels import backward_kernel
     n, d = x.shape
     k = w.shape[0]
     num_tiles = _cdiv(k, tiles.block_n)

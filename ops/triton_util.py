@@ -1,7 +1,7 @@
 """Whether Triton kernels can run here, and how (GPU or the CPU interpreter).
 
 Triton reads ``TRITON_INTERPRET`` when ``@triton.jit`` decorates a kernel, so the kernel
-modules (``ops.hamming_triton``, ``ops.triton_select``) must be imported after it is set
+modules (``ds_xc_ops.hamming_triton``, ``ds_xc_ops.triton_select``) must be imported after it is set
 (tests set it before importing them when no GPU is present). Under the interpreter the
 kernels run on CPU tensors, one program at a time, with no libdevice: the popcount uses
 a bit trick there instead of libdevice's ``popc`` (see docs/ops.md).
@@ -15,7 +15,7 @@ import torch
 
 __all__ = ["HAVE_TRITON", "interpreting", "triton_usable", "triton_unusable_reason"]
 
-# Found, not imported: importing triton takes about a second, and ops.hamming (imported by
+# Found, not imported: importing triton takes about a second, and ds_xc_ops.hamming (imported by
 # every sampler) only needs to know. The kernels are optional: callers fall back to PyTorch.
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 

@@ -14,7 +14,7 @@ from ds_xc.sampling.ann.codes import encode, itq_projection, random_projection
 from ds_xc.sampling.ann.ivf import build_lists, spherical_kmeans
 from ds_xc.sampling.knn import knn_graph_ann, knn_graph_exact
 from ds_xc.sampling.metrics import active_set_quality
-from ops.hamming import hamming_topk_flat, unpack_bits
+from ds_xc_ops.hamming import hamming_topk_flat, unpack_bits
 
 
 def clustered(n=3000, d=32, clusters=30, spread=0.3, seed=0):
@@ -34,7 +34,7 @@ def test_random_projection_is_orthogonal_and_deterministic():
 
 def test_fast_packing_matches_the_ops_layout():
     from ds_xc.sampling.ann.codes import pack
-    from ops.hamming import pack_signs
+    from ds_xc_ops.hamming import pack_signs
     v = torch.randn(37, 96)
     assert torch.equal(pack(v), pack_signs(v))
 

@@ -1,4 +1,4 @@
-"""ops.hamming: the PyTorch reference against a brute-force loop, and every other backend
+"""ds_xc_ops.hamming: the PyTorch reference against a brute-force loop, and every other backend
 (C++ CPU, faiss, CUDA when present) against the reference, with exact equality of
 distances and ids, on random and adversarial inputs (many ties, k above the candidate
 count, -1 and repeated probes, empty lists, code_bits 32/64/96/256/1024).
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from ops import builders
-from ops import hamming as H
-from ops.hamming_torch import topk_ivf_torch
+from ds_xc_ops import builders
+from ds_xc_ops import hamming as H
+from ds_xc_ops.hamming_torch import topk_ivf_torch
 
 BITS = [32, 64, 96, 256, 1024]
 SCENARIOS = ["random", "few_codes", "one_code", "k_large", "skip_probes", "empty_lists",
@@ -166,7 +166,7 @@ def test_faiss_equals_torch(name, bits):
 @pytest.mark.parametrize("bits", [64, 256])
 def test_faiss_own_distances_are_exact(bits):
     """Without the tie fix-up faiss's distances already match; its ids are candidates."""
-    from ops.hamming_faiss import FaissBinaryIVF
+    from ds_xc_ops.hamming_faiss import FaissBinaryIVF
     (q, c, i, o, p), k = scenario("few_codes", bits, seed=5)
     want = H.hamming_topk_ivf(q, c, i, o, p, k, backend="torch")
     got = FaissBinaryIVF(c, i, o).search(q, H._unique_probes(p), k, exact_ties=False)
@@ -235,7 +235,7 @@ def test_flat_equals_ivf_with_one_list(cpu_op, backend, bits, k):
 def test_auto_uses_cpu_and_logs_once(cpu_op, caplog, monkeypatch):
     monkeypatch.setattr(H, "_LOGGED", set())
     args, k = scenario("random", 64)
-    with caplog.at_level(logging.INFO, logger="ops.hamming"):
+    with caplog.at_level(logging.INFO, logger="ds_xc_ops.hamming"):
         assert_same(H.hamming_topk_ivf(*args, k), H.hamming_topk_ivf(*args, k, backend="torch"))
         H.hamming_topk_ivf(*args, k)
     msgs = [r.getMessage() for r in caplog.records if "backend 'auto'" in r.getMessage()]

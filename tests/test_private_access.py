@@ -54,6 +54,8 @@ def _unit_of_path(rel: Path) -> str:
 def _unit_of_module(name: str) -> str | None:
     """The unit of an imported module name (absolute or relative), None for third-party modules."""
     parts = name.split(".")
+    if parts[0] == "ds_xc_ops":  # the ops/ folder installs as ds_xc_ops
+        return "ops"
     if parts[0] not in PACKAGES:
         return None
     if parts[0] != "ds_xc":
@@ -180,7 +182,7 @@ def test_rule_catches_a_reach_in():
             "        self._state = 1\n        other._not_a_definition = 2\n")
     assert _definitions(ast.parse(defs)) == {"_TOP", "_helper", "_K", "_slot", "_m", "_state"}
     assert _unit_of_module("ds_xc.config") == "ds_xc.config" and _unit_of_module("torch.nn") is None
-    assert _unit_of_module("ds_xc.head.head") == "ds_xc.head" and _unit_of_module("ops.hamming") == "ops"
+    assert _unit_of_module("ds_xc.head.head") == "ds_xc.head" and _unit_of_module("ds_xc_ops.hamming") == "ops"
     assert _unit_of_path(Path("ds_xc/compression/config.py")) == "ds_xc.compression"
     assert _unit_of_path(Path("ds_xc/engine.py")) == "ds_xc.engine"
     assert _unit_of_path(Path("launch/train.py")) == "launch"

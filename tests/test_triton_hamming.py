@@ -1,4 +1,4 @@
-"""ops.hamming_triton (backend="triton") against the PyTorch reference, exact equality.
+"""ds_xc_ops.hamming_triton (backend="triton") against the PyTorch reference, exact equality.
 
 Without a GPU the kernel runs under Triton's CPU interpreter: TRITON_INTERPRET is set
 before any kernel module is imported (triton reads it when a kernel is decorated). The
@@ -15,10 +15,10 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from ops import hamming as H  # noqa: E402
-from ops.hamming_torch import topk_ivf_torch  # noqa: E402
-from ops.hamming_triton import TRITON_MAX_K, topk_ivf_triton  # noqa: E402
-from ops.triton_util import interpreting  # noqa: E402
+from ds_xc_ops import hamming as H  # noqa: E402
+from ds_xc_ops.hamming_torch import topk_ivf_torch  # noqa: E402
+from ds_xc_ops.hamming_triton import TRITON_MAX_K, topk_ivf_triton  # noqa: E402
+from ds_xc_ops.triton_util import interpreting  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() and not interpreting() else "cpu")
 CASES = ["random", "duplicates", "one_code", "k_large", "skip_probes", "empty_lists", "repeat_probes"]

@@ -1,4 +1,4 @@
-"""ops.triton_select: the Triton threshold selection against its PyTorch reference.
+"""ds_xc_ops.triton_select: the Triton threshold selection against its PyTorch reference.
 
 Without a GPU the kernels run under Triton's CPU interpreter (TRITON_INTERPRET is set
 before the kernel module is imported). Exact equality of indices and values for float32,
@@ -17,8 +17,8 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from ops.triton_select import select_above, select_above_torch  # noqa: E402
-from ops.triton_util import interpreting  # noqa: E402
+from ds_xc_ops.triton_select import select_above, select_above_torch  # noqa: E402
+from ds_xc_ops.triton_util import interpreting  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() and not interpreting() else "cpu")
 
@@ -85,7 +85,7 @@ def test_shapes_and_errors():
 
 def test_auto_keeps_cpu_tensors_on_torch(monkeypatch):
     """auto never takes CPU tensors to Triton (CPU behaviour unchanged), even when interpreting."""
-    import ops.triton_select as S
+    import ds_xc_ops.triton_select as S
     monkeypatch.setattr(S, "_select_triton", lambda *a: pytest.fail("triton used for a CPU tensor"))
     v = values(100, torch.float32).cpu()
     assert_same(select_above(v, 0.3), select_above_torch(v, 0.3), v.dtype)

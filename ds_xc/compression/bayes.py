@@ -163,7 +163,7 @@ def sample_indices(v: torch.Tensor, tau: float, rate: float, explore: Optional[t
 
     ``rate`` is the thinning rate r; ``explore`` is the exploration table (None: none).
     ``select(a, theta) -> (idx, a[idx])`` is the threshold pass a >= theta (ascending idx);
-    None: torch.nonzero (the compressors pass ops.triton_select.select_above on CUDA).
+    None: torch.nonzero (the compressors pass ds_xc_ops.triton_select.select_above on CUDA).
     """
     n = v.numel()
     a = v.abs()  # (n,)

@@ -60,9 +60,9 @@ def allocate_densities(numel: list, weight: list, density: float) -> list:
 
 
 def _threshold_pass(backend: str):
-    """The |a| >= theta pass of bayes.sample_indices: ops.triton_select.select_above (Triton
+    """The |a| >= theta pass of bayes.sample_indices: ds_xc_ops.triton_select.select_above (Triton
     kernel on CUDA when usable, else torch; identical results). Imported here: triton is optional."""
-    from ops.triton_select import select_above
+    from ds_xc_ops.triton_select import select_above
     return functools.partial(select_above, backend=backend)
 
 
@@ -133,7 +133,7 @@ class BayesPrior(Compressor):
 
     name = "bayes_prior"
     uses_stats = True
-    select_backend: ClassVar[str] = "auto"  # ops.triton_select backend of the threshold pass (CUDA tensors)
+    select_backend: ClassVar[str] = "auto"  # ds_xc_ops.triton_select backend of the threshold pass (CUDA tensors)
     _GAIN, _STEP_LIMIT, _SCALE_LIMIT = 0.5, 1.25, 64.0
 
     def local_max(self, v: torch.Tensor) -> float:

@@ -32,7 +32,7 @@ from ds_xc.head.softmax import sharded_margin_loss
 from ds_xc.parallel.collectives import all_gather_no_grad, all_gather_rows, exchange_sizes, merge_topk
 from ds_xc.parallel.groups import group_rank, group_size, is_distributed
 from ds_xc.sampling import ActiveSet, build_sampler
-from ops.softmax_backend import SOFTMAX_BACKENDS
+from ds_xc_ops.softmax_backend import SOFTMAX_BACKENDS
 
 log = logging.getLogger(__name__)
 

@@ -199,7 +199,7 @@ def fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor
     "triton" or "auto" may hand the call to the fused Triton kernels (ops/softmax_backend.py).
     """
     if backend != "torch":
-        from ops.softmax_backend import resolve_softmax  # lazy: triton loads only when asked
+        from ds_xc_ops.softmax_backend import resolve_softmax  # lazy: triton loads only when asked
         fused = resolve_softmax(backend, x, w)
         if fused is not None:
             return fused(x, w, targets, loss, group, chunk_size, need_gx, need_gw,

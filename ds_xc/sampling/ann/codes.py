@@ -7,7 +7,7 @@ Legend: n rows, d dim, b = code_bits.
 * ``itq``: iterative quantisation (Gong & Lazebnik): P = PCA_b @ R, with the rotation R
   (b, b) learned to minimise ||sign(V R) - V R|| on a sample of the rows. Needs b <= d.
 
-Codes are packed as ``ops.hamming.pack_signs`` packs them (uint8, LSB first), the layout
+Codes are packed as ``ds_xc_ops.hamming.pack_signs`` packs them (uint8, LSB first), the layout
 the scan kernels read; Hamming distance between codes estimates the angle between the vectors.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from ops.hamming import pack_signs
+from ds_xc_ops.hamming import pack_signs
 
 __all__ = ["random_projection", "itq_projection", "encode", "pack"]
 
@@ -58,7 +58,7 @@ _GATHER_BITS = 0x0102040810204080  # times 8 bytes of 0/1: byte j's bit lands at
 
 
 def pack(v: torch.Tensor) -> torch.Tensor:
-    """The layout of ``ops.hamming.pack_signs`` (bit j = v[:, j] > 0, LSB first): (n, b) -> (n, b // 8).
+    """The layout of ``ds_xc_ops.hamming.pack_signs`` (bit j = v[:, j] > 0, LSB first): (n, b) -> (n, b // 8).
 
     The 8 booleans of each output byte are read as one int64 (a bool is one byte of 0 or
     1) and gathered into its top byte by one multiplication (wrapping), no per-bit passes.

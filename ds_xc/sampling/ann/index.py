@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from ds_xc.sampling.ann.codes import encode, itq_projection, random_projection
 from ds_xc.sampling.ann.ivf import assign, build_lists, kmeans_sample, spherical_kmeans
-from ops.hamming import hamming_topk_ivf
+from ds_xc_ops.hamming import hamming_topk_ivf
 
 log = logging.getLogger(__name__)
 
