@@ -86,3 +86,13 @@ class DistPool:
         for p in self.procs:
             if p.is_alive():
                 p.kill()
+
+
+def catch(fn):
+    """(exception class name, message) of what ``fn()`` raises, or None: for tests that compare
+    the errors every rank saw."""
+    try:
+        fn()
+    except Exception as exc:  # the test inspects type and message
+        return type(exc).__name__, str(exc)
+    return None

@@ -25,6 +25,7 @@ from ds_xc.checkpoint import CheckpointError, load_exported_into_head
 from ds_xc.evaluate import evaluate_topk
 from ds_xc.head import ClassParallelHead
 from ds_xc.parallel.agree import agree, all_or_none
+from tests.dist_pool import catch
 
 C, D = 23, 6
 
@@ -35,12 +36,7 @@ def _usable(group=None) -> float:
     return t.item()
 
 
-def _catch(fn):
-    try:
-        fn()
-    except Exception as exc:  # the test inspects type and message
-        return type(exc).__name__, str(exc)
-    return None
+_catch = catch
 
 
 # ---------------------------------------------------------------------- the helper

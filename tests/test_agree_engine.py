@@ -22,16 +22,12 @@ import torch
 
 import ds_xc
 from tests.test_reliability import CASES, Body, _assert_same, _batch, _config, _state
+from tests.dist_pool import catch
 
 B = 4
 
 
-def _catch(fn):
-    try:
-        fn()
-    except Exception as exc:  # the test inspects type and message
-        return type(exc).__name__, str(exc)
-    return None
+_catch = catch
 
 
 def _cfg(stage=0, bf16=False, case="exact_sgd", **over):

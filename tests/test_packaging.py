@@ -2,7 +2,6 @@
 in pyproject.toml's list, nothing imports the folder name `ops`, and the wheel holds what the
 JIT builders need (.ci/run also installs that wheel into a fresh venv and imports it)."""
 import ast
-import os
 import subprocess
 import sys
 import tomllib
