@@ -17,6 +17,8 @@ import torch
 from ds_xc_ops import builders
 
 
+logger = logging.getLogger(__name__)
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--verbose", action="store_true", help="print the compiler commands")
@@ -33,7 +35,7 @@ def main(argv=None) -> int:
         if op is None:
             failed.append(kind)
         else:
-            print(f"{kind}: {op.__file__} ({time.perf_counter() - start:.1f} s)")
+            logger.info("%s: %s (%.1f s)", kind, op.__file__, time.perf_counter() - start)
     return 1 if failed else 0
 
 

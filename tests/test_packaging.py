@@ -54,3 +54,14 @@ def test_wheel_holds_ds_xc_ops_and_the_kernel_sources(tmp_path):
     for need in ("ds_xc_ops/hamming.py", "ds_xc_ops/triton_softmax.py", "ds_xc_ops/csrc/hamming_cpu.cpp",
                  "ds_xc_ops/csrc/hamming_cuda.cu", "ds_xc/engine/core.py", "ds_xc/sampling/ann/index.py"):
         assert need in names, need
+
+
+def test_library_never_prints():
+    """ds_xc/ and ops/ log through logging; only launch/ (and benchmarks) print."""
+    calls = []
+    for folder in ("ds_xc", "ops"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print":
+                    calls.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not calls, calls

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 import time
 
 import numpy as np
@@ -72,27 +73,43 @@ def plot_class_frequencies(path: str, context: int) -> dict:
     return sizes
 
 
+def _report_logger() -> logging.Logger:
+    """The command's own result lines: plain messages on stdout, through logging (the library
+    never prints)."""
+    report = logging.getLogger(__name__ + ".report")
+    if not report.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        report.addHandler(handler)
+        report.propagate = False
+        report.setLevel(logging.INFO)
+    return report
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    report = _report_logger()
     start = time.perf_counter()
     kwargs = {"context": args.context}
     if args.name == "corpus":
         fetched = debian.fetch_packages([s.package for s in corpus_module.SOURCES.values()])
         for key, pkg in fetched.items():
-            print(f"{key}: {pkg.name} ({pkg.deb.name}, {pkg.deb.stat().st_size / 1e6:.1f} MB) in {pkg.root}")
+            report.info("%s: %s (%s, %.1f MB) in %s", key, pkg.name, pkg.deb.name, pkg.deb.stat().st_size / 1e6,
+                        pkg.root)
         kwargs.update(mode=args.mode, vocab_size=args.vocab_size)
     data = build_dataset(args.name, args.num_classes, **kwargs)
     info = data.describe()
-    print(json.dumps(info, indent=1))
-    print(f"{args.name}: {info['num_train']:,} training and {info['num_eval']:,} held-out samples, "
-          f"input vocabulary {info['input_dim']:,}, ready in {time.perf_counter() - start:.1f} s")
+    report.info("%s", json.dumps(info, indent=1))
+    report.info("%s: %s training and %s held-out samples, input vocabulary %s, ready in %.1f s", args.name,
+                f"{info['num_train']:,}", f"{info['num_eval']:,}", f"{info['input_dim']:,}",
+                time.perf_counter() - start)
     if args.plot:
         if args.name != "corpus":
             raise SystemExit("--plot is only for the corpus data set")
-        print(json.dumps(plot_class_frequencies(args.plot, args.context), indent=1))
-        print(f"wrote {args.plot}")
+        report.info("%s", json.dumps(plot_class_frequencies(args.plot, args.context), indent=1))
+        report.info("wrote %s", args.plot)
 
 
 if __name__ == "__main__":
