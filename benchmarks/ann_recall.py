@@ -59,7 +59,7 @@ def trained_model(args, task_name: str):
     from ds_xc.models import build_backbone
 
     run_args = SimpleNamespace(num_classes=args.num_classes, steps=args.steps, eval_every=args.eval_every,
-                               seed=args.seed, work_dir=args.work_dir, rerun=False)
+                               seed=args.seed, work_dir=args.work_dir, rerun=False, sets={})
     res = sa.run_one(run_args, task_name, {"type": "full"}, "full")
     ckpt = sa.checkpoint_dir(args.work_dir, res["key"])
     with open(os.path.join(ckpt, "latest")) as fh:
