@@ -7,7 +7,7 @@ What is timed is the choice of the elements to send from v = g + e (no communica
 * ``randomk``: k shared-seed draws, deduplicated;
 * ``bayes_prior``: threshold sampling (thinned coins), with and without the periodic
   statistics (max + histogram of ``stats_samples`` draws) amortised over
-  ``stats_sync_interval`` steps; for exploit_power 1 (PAPERS.md) and 8.
+  ``stats_sync_interval`` steps; for exploit_power 1 (docs/papers.md) and 8.
 
 v is an error-feedback steady state: ``--warm`` steps of e += g with heterogeneous
 Gaussian g (per-element scales uniform in [0, 2]), top-1% (bayes) sent each step. Median

@@ -63,7 +63,7 @@ class GradientCompressionConfig(Section):
                                "drawn (uniformly) into the histogram at a sync; 0 = every element.")
     exploit_power: float = Field(1.0, ge=1.0, le=64.0, description="bayes_prior: exponent k of the "
                                  "exploitation probability min(1, (|v|/tau)^k); 1 = proportional to |v| "
-                                 "(PAPERS.md), larger = closer to a hard threshold (top-k like).")
+                                 "(docs/papers.md), larger = closer to a hard threshold (top-k like).")
     prior: PriorConfig = Field(default_factory=PriorConfig, description="bayes_prior exploration.")
     bins: int = Field(128, ge=16, le=4096, description="bayes_prior: log2-spaced histogram bins over "
                       "the 32 octaves below the global max |v| of a tensor.")

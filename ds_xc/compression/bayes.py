@@ -1,4 +1,4 @@
-"""Bayes-prior gradient sampling: the maths, no communication (PAPERS.md section 3, [R]).
+"""Bayes-prior gradient sampling: the maths, no communication (docs/papers.md section 3, [R]).
 
 Per tensor, v = g + e (gradient plus error-feedback residual). Every few steps the ranks
 sum a compact summary of |v|: a histogram of log2|v| over ``SPAN_OCTAVES`` octaves below
@@ -7,7 +7,7 @@ histogram we derive
 
 * the threshold tau such that exploitation, keeping element i with probability
   ``p_i = min(1, (|v_i| / tau)^k)``, keeps the target number of elements in expectation
-  (:func:`solve_threshold`). k = 1 is the reconstruction of PAPERS.md; a larger
+  (:func:`solve_threshold`). k = 1 is the reconstruction of docs/papers.md; a larger
   ``exploit_power`` k sharpens exploitation towards a hard threshold (k -> inf is a
   global-threshold top-k without the sort);
 * the exploration probability per magnitude bin (:func:`exploration_table`): a flat
