@@ -14,6 +14,11 @@ the bias correction uses the global step count. A step then costs O(K*d), not O(
 Given a dense gradient (every row active) lazy and dense steps are identical. A dense
 optimizer given a sparse gradient densifies it (exact dense semantics).
 
+Exact lazy semantics (``exact=True``, ``update: lazy_exact``): lazy steps, but a row is first
+caught up on the zero-gradient steps it skipped, so the trajectory is the dense one (SGD
+exactly, AdamW up to the eps of the skipped steps); ``catch_up_all()`` brings every row up
+to date. See ds_xc/head/lazy_exact.py.
+
 State lives in ``optimizer.state[p]`` so that ``state_dict()`` round-trips. Devices and
 dtypes: state tensors follow the weight's device at the next step (after ``head.to(device)``;
 ``step`` stays a CPU scalar, as torch keeps it); their dtype is the one they were created
