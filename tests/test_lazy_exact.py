@@ -185,3 +185,32 @@ def test_two_rank_head_lazy_exact_equals_dense(pools, opt_type, eps, tol):
         assert e["moved"]  # topk did catch stale rows up
         torch.testing.assert_close(e["w"], d["w"], rtol=tol, atol=tol)
         assert torch.equal(e["top"], d["top"])
+
+
+def test_overlap_schedule_catches_active_rows_up_and_frozen_is_lazy():
+    """One process: the chunked overlap schedule with lazy_exact == the dense head's forward."""
+    from ds_xc import ClassParallelHead
+    from ds_xc.overlap import ChunkedHeadSchedule
+    heads, opts = [], []
+    for update in ("lazy_exact", "dense"):
+        head = ClassParallelHead(D, C, sampler={"type": "uniform", "sample_rate": 0.3}, dtype=torch.float64,
+                                 init_std=0.5, seed=4, update=update)
+        heads.append(head)
+        opts.append(build_head_optimizer(head, {"type": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.05,
+                                                "update": update}))
+    assert heads[0].lazy_catch_up is not None and heads[1].lazy_catch_up is None
+    sched = ChunkedHeadSchedule(heads[0], 2)
+    g = torch.Generator().manual_seed(9)
+    for _ in range(25):
+        x = torch.randn(B, D, generator=g, dtype=torch.float64)
+        y = torch.randint(0, C, (B,), generator=g)
+        sched.run(x.clone().requires_grad_(), y)
+        heads[1](x, y).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    opts[0].catch_up_all()
+    torch.testing.assert_close(heads[0].weight, heads[1].weight, rtol=1e-11, atol=1e-12)
+    frozen = ClassParallelHead(D, C, sampler={"type": "uniform", "sample_rate": 0.3}, update="frozen")
+    opt = build_head_optimizer(frozen, {"update": "frozen"})
+    assert opt.param_groups[0]["lazy"] and not opt.param_groups[0]["exact"] and frozen.lazy_catch_up is None
