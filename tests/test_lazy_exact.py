@@ -214,3 +214,17 @@ def test_overlap_schedule_catches_active_rows_up_and_frozen_is_lazy():
     frozen = ClassParallelHead(D, C, sampler={"type": "uniform", "sample_rate": 0.3}, update="frozen")
     opt = build_head_optimizer(frozen, {"update": "frozen"})
     assert opt.param_groups[0]["lazy"] and not opt.param_groups[0]["exact"] and frozen.lazy_catch_up is None
+
+
+def test_lazy_exact_checkpoint_resumed_dense_catches_up_and_keeps_its_mode():
+    sched = _schedule(3)
+    p, q, r = (torch.nn.Parameter(_w0()) for _ in range(3))
+    exact = HeadSGD([p], lr=0.1, momentum=0.9, weight_decay=0.05, exact=True)
+    _run(exact, p, sched, 0.1, 0, 100)
+    dense = HeadSGD([q], lr=0.1, momentum=0.9, weight_decay=0.05)
+    q.data.copy_(p.data)
+    dense.load_state_dict(copy.deepcopy(exact.state_dict()))
+    assert not dense.param_groups[0]["exact"] and lazy_exact.LAST not in dense.state[q]
+    ref = torch.optim.SGD([r], lr=0.1, momentum=0.9, weight_decay=0.05)
+    _run(ref, r, sched, 0.1, 0, 100, sparse=False)
+    torch.testing.assert_close(q, r, rtol=1e-12, atol=1e-13)  # caught up at load

@@ -117,8 +117,10 @@ class ExactLazyMixin:
         last, steps = state[LAST], state[STEPS]
         if last.device != p.device:
             state[LAST] = last = last.to(p.device)
-        sel = rows if rows is not None else torch.arange(p.shape[0], device=p.device)
-        sel = sel[last.index_select(0, sel) < steps]  # (S,) the stale rows
+        if rows is None:
+            sel = (last < steps).nonzero().squeeze(1)  # (S,) the stale rows
+        else:
+            sel = rows[last.index_select(0, rows) < steps]
         if sel.numel() == 0:
             return
         a = last.index_select(0, sel)  # (S,) their last update steps
@@ -160,3 +162,17 @@ class ExactLazyMixin:
             for p in group["params"]:
                 if LAST in self.state.get(p, {}):
                     self._exact_trim(self.state[p])
+
+    @torch.no_grad()
+    def finish_exact_lazy(self) -> None:
+        """For parameters of groups not in lazy_exact mode that still hold its state (a lazy_exact
+        checkpoint loaded with another ``update``): catch every row up, then drop that state."""
+        for group in self.param_groups:
+            if group.get("exact"):
+                continue
+            for p in group["params"]:
+                state = self.state.get(p, {})
+                if LAST in state:
+                    self._exact_catch_up(p, state, None)
+                    for key in (LAST, HIST, STEPS, BASE):
+                        state.pop(key, None)

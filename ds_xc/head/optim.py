@@ -137,7 +137,10 @@ class _HeadOptimizer(ExactLazyMixin, Optimizer):
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
         rng = state_dict.pop("bf16_rng", None)
+        modes = [(g.get("lazy", False), g.get("exact", False)) for g in self.param_groups]
         super().load_state_dict(state_dict)  # casts floating state to the parameter's dtype ...
+        for g, (lazy, exact) in zip(self.param_groups, modes):  # the update mode is config, not state
+            g["lazy"], g["exact"] = lazy, exact
         params = [p for g in self.param_groups for p in g["params"]]
         for idx, saved in state_dict.get("state", {}).items():  # ... so restore float32 states
             p = params[idx]
@@ -148,6 +151,7 @@ class _HeadOptimizer(ExactLazyMixin, Optimizer):
                     self.state[p][key] = value.to(device=device, dtype=dtype, copy=True)
         if rng is not None and params:
             self._generator(params[0].device).set_state(rng)
+        self.finish_exact_lazy()  # a lazy_exact checkpoint resumed in another mode: rows made current
 
 
 class HeadSGD(_HeadOptimizer):
