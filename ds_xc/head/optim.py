@@ -172,13 +172,12 @@ class HeadSGD(_HeadOptimizer):
     @staticmethod
     def _exact_apply(p, state, group, rows, q, k):
         """Catch rows (S,) up by their suffix products q (S, 2, 2) of the zero-gradient steps."""
-        w = p.index_select(0, rows)  # (S, d)
+        w = p.index_select(0, rows).double()  # (S, d): float64 block temporaries, one rounding per catch-up
         buf = state.get("momentum_buffer")
-        q = q.to(torch.promote_types(p.dtype, buf.dtype) if buf is not None else p.dtype)
         if buf is None:  # no momentum: M_s = [[1 - lr*wd, 0], [wd, 0]], only the decay matters
-            p.index_copy_(0, rows, w * q[:, 0, 0, None])
+            p.index_copy_(0, rows, (w * q[:, 0, 0, None]).to(p.dtype))
             return
-        b = buf.index_select(0, rows)  # (S, d)
+        b = buf.index_select(0, rows).double()  # (S, d)
         w2 = q[:, 0, 0, None] * w + q[:, 0, 1, None] * b
         b2 = q[:, 1, 0, None] * w + q[:, 1, 1, None] * b
         p.index_copy_(0, rows, w2.to(p.dtype))
@@ -267,10 +266,9 @@ class HeadAdamW(_HeadOptimizer):
         b1, b2 = group["betas"]
         m, v = state["exp_avg"], state["exp_avg_sq"]
         w, mr, vr = p.index_select(0, rows), m.index_select(0, rows), v.index_select(0, rows)  # (S, d) each
-        dt = torch.promote_types(p.dtype, m.dtype)
-        q = q.to(dt)
+        dt = torch.float64  # block temporaries: one rounding per catch-up
         ratio = torch.where(vr > 0, mr.to(dt) / vr.to(dt).sqrt(), torch.zeros((), dtype=dt, device=p.device))
-        p.index_copy_(0, rows, (q[:, 0, 0, None] * w - q[:, 0, 1, None] * ratio).to(p.dtype))
+        p.index_copy_(0, rows, (q[:, 0, 0, None] * w.to(dt) - q[:, 0, 1, None] * ratio).to(p.dtype))
         kf = k.to(torch.float64)[:, None]  # (S, 1)
         m.index_copy_(0, rows, mr * (b1 ** kf).to(m.dtype))
         v.index_copy_(0, rows, vr * (b2 ** kf).to(v.dtype))
