@@ -182,9 +182,13 @@ class HeadOptimizerConfig(_Section):
     weight_decay: float = Field(5e-4, ge=0.0, le=1.0, description="Weight decay (decoupled for adamw).")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
     eps: float = Field(1e-8, gt=0.0, le=1.0, description="AdamW epsilon.")
-    update: Literal["dense", "lazy"] = Field(
-        "dense", description="dense: exact dense optimizer semantics; lazy: only the active rows "
-        "(and their optimizer state) are touched each step, O(K*d) per step.")
+    update: Literal["dense", "lazy", "frozen", "lazy_exact"] = Field(
+        "dense", description="dense: exact dense optimizer semantics; lazy (alias frozen): only the active "
+        "rows (and their optimizer state) are touched each step, O(K*d) per step, inactive rows stay frozen "
+        "(no momentum, no weight decay); lazy_exact: O(K*d) per step too, but a row that becomes active "
+        "is first caught up on the zero-gradient steps it skipped, so the trajectory is the dense one "
+        "(SGD exactly; AdamW up to a relative eps/sqrt(v) on the skipped steps' displacement); "
+        "float32/float64 heads only. See docs/head.md (Exact lazy updates).")
     bf16_update: Literal["stochastic_rounding", "master_fp32", "plain"] = Field(
         "stochastic_rounding", description="How the head optimizer writes updates into bfloat16 weights "
         "(dtype: bfloat16 only; ignored otherwise). stochastic_rounding: float32 update, stochastically "

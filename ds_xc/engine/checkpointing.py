@@ -61,6 +61,8 @@ def save_engine_checkpoint(xc, save_dir: str, tag: Optional[str], client_state: 
             _clear_staging(save_dir)
     with all_or_none(f"save_checkpoint: writing the head shards, residuals and RNG states into {staging!r}",
                      group):
+        if hasattr(xc.head_optimizer, "catch_up_all"):  # update lazy_exact: save up-to-date rows
+            xc.head_optimizer.catch_up_all()
         save_head_state(staging, xc.head, xc.head_optimizer)
         if xc.compression is not None:  # per-rank residuals: DeepSpeed saves rank 0's optimizer only
             from ds_xc.compression import save_compression_state

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 __all__ = ["ClassParallelHead", "init_shard"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+UPDATES = ("dense", "lazy", "frozen", "lazy_exact")  # extreme_classification.optimizer.update
 _INIT_BLOCK = 1 << 16  # rows per init block: the init of a class does not depend on the world size
 
 
@@ -73,8 +74,10 @@ class ClassParallelHead(nn.Module):
         group: the process group the classes are sharded over (None: world, or one process).
         chunk_size: rows of the global batch per logits chunk (0: one chunk).
         dtype, init_std, seed: weight dtype and init; init is per class, independent of P.
-        update: "dense" (dense weight gradients) or "lazy" (sparse gradient rows, for the
-            lazy head optimizers; sampled heads then cost O(K*d) per step).
+        update: "dense" (dense weight gradients) or "lazy" / "frozen" / "lazy_exact" (sparse
+            gradient rows, for the lazy head optimizers; sampled heads then cost O(K*d) per step).
+            With "lazy_exact" the optimizer built by build_head_optimizer sets ``lazy_catch_up``,
+            which forward, topk and rebuild_index call to bring stale rows up to date.
         check_inputs: validate label range, shapes, devices and finiteness on every rank before
             the collectives (one small all-reduce, and one host sync on GPU, per checked step).
         check_interval: run that full check every N-th call (1: every call). Unchecked calls
@@ -97,8 +100,9 @@ class ClassParallelHead(nn.Module):
             if dtype not in _DTYPES:
                 raise cfg.ConfigError(f"{cfg.HEAD_SECTION}.dtype: got {dtype!r}; allowed: {sorted(_DTYPES)}")
             dtype = _DTYPES[dtype]
-        if update not in ("dense", "lazy"):
-            raise cfg.ConfigError(f"{cfg.HEAD_SECTION}.optimizer.update: got {update!r}; allowed: 'dense', 'lazy'")
+        if update not in UPDATES:
+            raise cfg.ConfigError(f"{cfg.HEAD_SECTION}.optimizer.update: got {update!r}; allowed: "
+                                  f"{', '.join(map(repr, UPDATES))}")
         if chunk_size < 0:
             raise cfg.ConfigError(f"{cfg.HEAD_SECTION}.chunk_size: got {chunk_size}; must be >= 0")
         self.group = group
@@ -127,6 +131,7 @@ class ClassParallelHead(nn.Module):
         self.sampler.dense_updates = update == "dense"  # every row changes each step: re-encode all
         self.sampler.metric = "cosine" if self.loss_fn.normalised else "dot"  # what the logits rank by
         self.last_active: Optional[ActiveSet] = None
+        self.lazy_catch_up = None  # update lazy_exact: the optimizer's catch_up(rows or None)
         self.last_metrics: dict = {}
         log.info("ClassParallelHead rank %d/%d: classes [%d, %d) of %d, d=%d, loss=%s, sampler=%s",
                  self.rank, self.world_size, self.class_start, self.class_start + self.num_local,
@@ -245,10 +250,12 @@ class ClassParallelHead(nn.Module):
         n = x.shape[0]
         total = None
         for rows, index in active.groups():  # one group unless the sampler splits the batch
+            if self.lazy_catch_up is not None:  # lazy_exact: the rows this step reads, up to date
+                self.lazy_catch_up(index)
             if index is None:
                 w = self.weight  # (L, d)
             else:  # (K, d); a row-sparse gradient for lazy updates
-                w = F.embedding(index, self.weight, sparse=self.update == "lazy")
+                w = F.embedding(index, self.weight, sparse=self.update != "dense")
             part = sharded_margin_loss(x[rows], w, active.targets[rows], self.loss_fn, self.group, self.chunk_size,
                                        self.softmax_backend)
             if active.bounds is not None:
@@ -260,7 +267,14 @@ class ClassParallelHead(nn.Module):
     def rebuild_index(self) -> None:
         """Rebuild the sampler's index (ANN) or graph (kNN) from the current weights now."""
         if hasattr(self.sampler, "rebuild"):
+            self.catch_up()
             self.sampler.rebuild(self.weight)
+
+    def catch_up(self) -> None:
+        """With update lazy_exact: bring every row of the shard up to date (a no-op otherwise).
+        Call before anything reads the whole shard; topk and rebuild_index do."""
+        if self.lazy_catch_up is not None:
+            self.lazy_catch_up(None)
 
     def sampler_stats(self) -> dict:
         """Active-set counts of the last step (active, positives, retrieved, kept, cut, fill,
@@ -303,6 +317,7 @@ class ClassParallelHead(nn.Module):
             raise ValueError(f"topk: batch_sizes {list(batch_sizes)} do not match the rows the ranks passed, "
                              f"{sizes} (this is rank {self.rank})")
         uneven = sizes if len(set(sizes)) > 1 else None
+        self.catch_up()
         x = all_gather_no_grad(embeddings, self.group, uneven).to(self.weight.dtype)  # (N, d)
         w = self.weight
         if self.loss_fn.normalised:

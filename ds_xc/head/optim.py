@@ -14,6 +14,11 @@ the bias correction uses the global step count. A step then costs O(K*d), not O(
 Given a dense gradient (every row active) lazy and dense steps are identical. A dense
 optimizer given a sparse gradient densifies it (exact dense semantics).
 
+Exact lazy semantics (``exact=True``, ``update: lazy_exact``): lazy steps, but a row is first
+caught up on the zero-gradient steps it skipped, so the trajectory is the dense one (SGD
+exactly, AdamW up to the eps of the skipped steps); ``catch_up_all()`` brings every row up
+to date. See ds_xc/head/lazy_exact.py.
+
 State lives in ``optimizer.state[p]`` so that ``state_dict()`` round-trips. Devices and
 dtypes: state tensors follow the weight's device at the next step (after ``head.to(device)``;
 ``step`` stays a CPU scalar, as torch keeps it); their dtype is the one they were created
@@ -37,6 +42,7 @@ from torch.optim import Optimizer
 
 from ds_xc import config as cfg
 from ds_xc.head.bf16 import BF16_UPDATES, round_to_bf16
+from ds_xc.head.lazy_exact import HIST, ExactLazyMixin, adamw_mats, sgd_mats
 
 __all__ = ["HeadSGD", "HeadAdamW", "build_head_optimizer"]
 
@@ -62,7 +68,7 @@ def _follow_device(state: dict, p: torch.Tensor) -> None:
     """Move one parameter's state tensors to ``p``'s device (the head may have moved since the
     last step); ``step`` stays on the CPU."""
     for key, value in state.items():
-        if key != "step" and torch.is_tensor(value) and value.device != p.device:
+        if key not in ("step", HIST) and torch.is_tensor(value) and value.device != p.device:
             state[key] = value.to(p.device)
 
 
@@ -77,8 +83,9 @@ def _get(t: torch.Tensor, sel) -> torch.Tensor:
     return rows.float()
 
 
-class _HeadOptimizer(Optimizer):
-    """Shared bf16 machinery: the update mode, the rounding generator and its state dict entry."""
+class _HeadOptimizer(ExactLazyMixin, Optimizer):
+    """Shared bf16 machinery (the update mode, the rounding generator and its state dict entry) and
+    the exact lazy catch-up (ds_xc/head/lazy_exact.py)."""
 
     _FP32_KEYS: dict = {}  # mode -> state keys kept in float32 for bf16 weights
 
@@ -96,6 +103,8 @@ class _HeadOptimizer(Optimizer):
         return self._gen
 
     def _state_dtype(self, p: torch.Tensor, key: str) -> torch.dtype:
+        if key == HIST:
+            return torch.float64
         if p.dtype == torch.bfloat16 and key in self._FP32_KEYS.get(self.bf16_update, ()):
             return torch.float32
         return p.dtype
@@ -128,15 +137,21 @@ class _HeadOptimizer(Optimizer):
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
         rng = state_dict.pop("bf16_rng", None)
+        modes = [(g.get("lazy", False), g.get("exact", False)) for g in self.param_groups]
         super().load_state_dict(state_dict)  # casts floating state to the parameter's dtype ...
+        for g, (lazy, exact) in zip(self.param_groups, modes):  # the update mode is config, not state
+            g["lazy"], g["exact"] = lazy, exact
         params = [p for g in self.param_groups for p in g["params"]]
         for idx, saved in state_dict.get("state", {}).items():  # ... so restore float32 states
             p = params[idx]
             for key, value in saved.items():
                 if torch.is_tensor(value) and value.dim() >= 1 and key in self.state[p]:
-                    self.state[p][key] = value.to(device=p.device, dtype=self._state_dtype(p, key), copy=True)
+                    device = "cpu" if key == HIST else p.device  # the scalar history stays on the CPU
+                    dtype = self._state_dtype(p, key) if value.is_floating_point() else value.dtype  # counters
+                    self.state[p][key] = value.to(device=device, dtype=dtype, copy=True)
         if rng is not None and params:
             self._generator(params[0].device).set_state(rng)
+        self.finish_exact_lazy()  # a lazy_exact checkpoint resumed in another mode: rows made current
 
 
 class HeadSGD(_HeadOptimizer):
@@ -148,9 +163,25 @@ class HeadSGD(_HeadOptimizer):
 
     def __init__(self, params, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
                  nesterov: bool = False, lazy: bool = False, bf16_update: str = "stochastic_rounding",
-                 seed: int = 0):
+                 seed: int = 0, exact: bool = False):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
-                                      nesterov=nesterov, lazy=lazy), bf16_update, seed)
+                                      nesterov=nesterov, lazy=lazy or exact, exact=exact), bf16_update, seed)
+
+    _exact_mats = staticmethod(sgd_mats)
+
+    @staticmethod
+    def _exact_apply(p, state, group, rows, q, k):
+        """Catch rows (S,) up by their suffix products q (S, 2, 2) of the zero-gradient steps."""
+        w = p.index_select(0, rows).double()  # (S, d): float64 block temporaries, one rounding per catch-up
+        buf = state.get("momentum_buffer")
+        if buf is None:  # no momentum: M_s = [[1 - lr*wd, 0], [wd, 0]], only the decay matters
+            p.index_copy_(0, rows, (w * q[:, 0, 0, None]).to(p.dtype))
+            return
+        b = buf.index_select(0, rows).double()  # (S, d)
+        w2 = q[:, 0, 0, None] * w + q[:, 0, 1, None] * b
+        b2 = q[:, 1, 0, None] * w + q[:, 1, 1, None] * b
+        p.index_copy_(0, rows, w2.to(p.dtype))
+        buf.index_copy_(0, rows, b2.to(buf.dtype))
 
     @staticmethod
     def _update(p, g, buf, lr, mu, wd, nesterov):
@@ -177,6 +208,8 @@ class HeadSGD(_HeadOptimizer):
                         state["momentum_buffer"] = torch.zeros_like(p, dtype=self._state_dtype(p, "momentum_buffer"))
                     _follow_device(state, p)
                     buf = state["momentum_buffer"]
+                if group.get("exact"):
+                    self._exact_begin(p, rows, (lr, mu, wd, float(nest)))
                 if p.dtype == torch.bfloat16:
                     self._step_bf16(p, rows, g, buf, lr, mu, wd, nest)
                     continue
@@ -220,9 +253,25 @@ class HeadAdamW(_HeadOptimizer):
     _FP32_KEYS = {"master_fp32": ("master", "exp_avg", "exp_avg_sq"), "stochastic_rounding": ("exp_avg_sq",)}
 
     def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 lazy: bool = False, bf16_update: str = "stochastic_rounding", seed: int = 0):
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, lazy=lazy),
-                         bf16_update, seed)
+                 lazy: bool = False, bf16_update: str = "stochastic_rounding", seed: int = 0,
+                 exact: bool = False):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                                      lazy=lazy or exact, exact=exact), bf16_update, seed)
+
+    _exact_mats = staticmethod(adamw_mats)
+
+    @staticmethod
+    def _exact_apply(p, state, group, rows, q, k):
+        """Catch rows (S,) up: w = D*w - C*m/sqrt(v) (eps dropped, see lazy_exact), m *= b1^k, v *= b2^k."""
+        b1, b2 = group["betas"]
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        w, mr, vr = p.index_select(0, rows), m.index_select(0, rows), v.index_select(0, rows)  # (S, d) each
+        dt = torch.float64  # block temporaries: one rounding per catch-up
+        ratio = torch.where(vr > 0, mr.to(dt) / vr.to(dt).sqrt(), torch.zeros((), dtype=dt, device=p.device))
+        p.index_copy_(0, rows, (q[:, 0, 0, None] * w.to(dt) - q[:, 0, 1, None] * ratio).to(p.dtype))
+        kf = k.to(torch.float64)[:, None]  # (S, 1)
+        m.index_copy_(0, rows, mr * (b1 ** kf).to(m.dtype))
+        v.index_copy_(0, rows, vr * (b2 ** kf).to(v.dtype))
 
     @staticmethod
     def _update(p, g, m, v, lr, b1, b2, eps, wd, bc1, bc2):
@@ -252,6 +301,8 @@ class HeadAdamW(_HeadOptimizer):
                 state["step"] += 1
                 t = float(state["step"])
                 hyper = (lr, b1, b2, eps, wd, 1.0 - b1 ** t, 1.0 - b2 ** t)
+                if group.get("exact"):
+                    self._exact_begin(p, rows, (lr, wd, b1, b2, hyper[5], hyper[6]))
                 m, v = state["exp_avg"], state["exp_avg_sq"]
                 if p.dtype == torch.bfloat16:
                     self._step_bf16(p, rows, g, m, v, hyper)
@@ -288,12 +339,16 @@ class HeadAdamW(_HeadOptimizer):
 def build_head_optimizer(head, section) -> Optimizer:
     """The head's optimizer from ``extreme_classification.optimizer`` (dict or model)."""
     c = cfg.validate_section(cfg.HeadOptimizerConfig, section, f"{cfg.HEAD_SECTION}.optimizer")
-    lazy = c.update == "lazy"
+    lazy, exact = c.update in ("lazy", "frozen"), c.update == "lazy_exact"
     # the rounding stream: per rank (shards must not share bits), reproducible from the head seed
     seed = (1_000_003 * int(getattr(head, "seed", 0)) + 7919 * (int(getattr(head, "rank", 0)) + 1)) % (2**63)
     bf16 = dict(bf16_update=c.bf16_update, seed=seed)
     if c.type == "sgd":
-        return HeadSGD([head.weight], lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay,
-                       nesterov=c.nesterov, lazy=lazy, **bf16)
-    return HeadAdamW([head.weight], lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
-                     lazy=lazy, **bf16)
+        opt = HeadSGD([head.weight], lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay,
+                      nesterov=c.nesterov, lazy=lazy, exact=exact, **bf16)
+    else:
+        opt = HeadAdamW([head.weight], lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
+                        lazy=lazy, exact=exact, **bf16)
+    if exact and hasattr(head, "lazy_catch_up"):  # the head catches rows up before it reads them
+        head.lazy_catch_up = opt.catch_up
+    return opt

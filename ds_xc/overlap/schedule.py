@@ -179,6 +179,9 @@ class ChunkedHeadSchedule:
             x_serial = self._assemble(gathers, gathered, positions, n)
         active = sampler.sample(y, x_serial, head.weight)
         head.last_active = active
+        if head.lazy_catch_up is not None:  # update lazy_exact: the rows read below, up to date
+            for _, index in active.groups():
+                head.lazy_catch_up(index)
         groups = [(rows, index, head.weight.detach() if index is None else head.weight.detach()[index])
                   for rows, index in active.groups()]  # (K, d) active rows, gathered once per step
         norms = [inverse_row_norms(w, head.loss_fn) for _, _, w in groups]  # (K,) once per step, not per chunk
@@ -311,7 +314,7 @@ class ChunkedHeadSchedule:
                 else:
                     weight.grad.add_(g)
             else:
-                F.embedding(index, weight, sparse=head.update == "lazy").backward(g)
+                F.embedding(index, weight, sparse=head.update != "dense").backward(g)
 
     def _keep_for_metrics(self) -> bool:
         cfg, sampler = self.head.sampler_config, self.head.sampler
