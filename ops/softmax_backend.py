@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 from typing import Callable, Optional
 
 import torch
+
+from ds_xc_ops.triton_util import interpreting
 
 __all__ = ["SOFTMAX_BACKENDS", "KEY", "check_backend", "triton_usable", "load_triton_softmax",
            "resolve_softmax"]
@@ -48,11 +49,6 @@ def check_backend(backend: str) -> str:
     return backend
 
 
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def load_triton_softmax() -> Optional[Callable]:
     """``triton_fused_loss_and_grads``, or None when Triton does not import (logged once)."""
     if "fn" not in _STATE:
@@ -71,8 +67,9 @@ def load_triton_softmax() -> Optional[Callable]:
 
 
 def triton_usable(device: torch.device) -> tuple[bool, str]:
-    """(usable, reason) for tensors on ``device``: Triton imports and either the device is
-    CUDA or the interpreter is on."""
+    """(usable, reason) for tensors on ``device``: the softmax kernels import and either the
+    device is CUDA or the interpreter is on (:func:`ds_xc_ops.triton_util.interpreting`, the one
+    reading of TRITON_INTERPRET that the scan and selection kernels use too)."""
     if device.type != "cuda" and not interpreting():
         return False, f"tensors are on {device.type}; triton needs CUDA tensors (or TRITON_INTERPRET=1 for tests)"
     if load_triton_softmax() is None:
