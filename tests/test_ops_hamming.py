@@ -18,6 +18,7 @@ import torch
 from ds_xc_ops import builders
 from ds_xc_ops import hamming as H
 from ds_xc_ops.hamming_torch import topk_ivf_torch
+from tests.ivf_data import random_ivf
 
 BITS = [32, 64, 96, 256, 1024]
 SCENARIOS = ["random", "few_codes", "one_code", "k_large", "skip_probes", "empty_lists",
@@ -34,22 +35,7 @@ def cpu_op():
 
 def make_ivf(seed, bits, n=9, rows=300, nlist=12, nprobe=4, distinct=None, k=10):
     """A random inverted file: (q, list_codes, list_ids, list_offsets, probes), k."""
-    g = torch.Generator().manual_seed(seed)
-    nbytes = bits // 8
-    if distinct:  # draw codes from a small pool: many equal distances
-        pool = torch.randint(0, 256, (distinct, nbytes), dtype=torch.uint8, generator=g)
-        codes = pool[torch.randint(0, distinct, (rows,), generator=g)]
-        q = pool[torch.randint(0, distinct, (n,), generator=g)]
-    else:
-        codes = torch.randint(0, 256, (rows, nbytes), dtype=torch.uint8, generator=g)
-        q = torch.randint(0, 256, (n, nbytes), dtype=torch.uint8, generator=g)
-    assign = torch.randint(0, nlist, (rows,), generator=g)
-    order = torch.sort(assign, stable=True).indices
-    ids = torch.randperm(rows, generator=g)[order] * 3 + 5  # not row numbers
-    offsets = torch.zeros(nlist + 1, dtype=torch.int64)
-    offsets[1:] = torch.bincount(assign, minlength=nlist).cumsum(0)
-    probes = torch.randint(0, nlist, (n, nprobe), generator=g)
-    return (q, codes[order].contiguous(), ids, offsets, probes), k
+    return random_ivf(seed, bits, n, rows, nlist, nprobe, distinct, id_scale=3, id_offset=5), k
 
 
 def scenario(name, bits, seed=0):

@@ -19,6 +19,7 @@ from ds_xc_ops import hamming as H  # noqa: E402
 from ds_xc_ops.hamming_torch import topk_ivf_torch  # noqa: E402
 from ds_xc_ops.hamming_triton import TRITON_MAX_K, topk_ivf_triton  # noqa: E402
 from ds_xc_ops.triton_util import interpreting  # noqa: E402
+from tests.ivf_data import random_ivf  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() and not interpreting() else "cpu")
 CASES = ["random", "duplicates", "one_code", "k_large", "skip_probes", "empty_lists", "repeat_probes"]
@@ -26,22 +27,7 @@ CASES = ["random", "duplicates", "one_code", "k_large", "skip_probes", "empty_li
 
 def make_ivf(seed, bits, n=6, rows=200, nlist=8, nprobe=3, distinct=None):
     """A random inverted file (q, list_codes, list_ids, list_offsets, probes) on DEV."""
-    g = torch.Generator().manual_seed(seed)
-    nbytes = bits // 8
-    if distinct:  # codes from a small pool: many equal distances, ties resolved by id
-        pool = torch.randint(0, 256, (distinct, nbytes), dtype=torch.uint8, generator=g)
-        codes = pool[torch.randint(0, distinct, (rows,), generator=g)]
-        q = pool[torch.randint(0, distinct, (n,), generator=g)]
-    else:
-        codes = torch.randint(0, 256, (rows, nbytes), dtype=torch.uint8, generator=g)
-        q = torch.randint(0, 256, (n, nbytes), dtype=torch.uint8, generator=g)
-    assign = torch.randint(0, nlist, (rows,), generator=g)
-    order = torch.sort(assign, stable=True).indices
-    ids = torch.randperm(rows, generator=g)[order] * 7 + 3  # not row numbers, not sorted
-    offsets = torch.zeros(nlist + 1, dtype=torch.int64)
-    offsets[1:] = torch.bincount(assign, minlength=nlist).cumsum(0)
-    probes = torch.randint(0, nlist, (n, nprobe), generator=g)
-    return [t.to(DEV) for t in (q, codes[order].contiguous(), ids, offsets, probes)]
+    return [t.to(DEV) for t in random_ivf(seed, bits, n, rows, nlist, nprobe, distinct, id_scale=7, id_offset=3)]
 
 
 def case(name, bits, seed=0):
