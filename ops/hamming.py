@@ -29,6 +29,7 @@ import torch
 
 from ds_xc_ops import builders
 from ds_xc_ops.hamming_torch import topk_ivf_torch
+from ds_xc_ops.logs import log_once
 from ds_xc_ops.triton_util import triton_unusable_reason
 
 __all__ = ["hamming_topk_ivf", "hamming_topk_flat", "pack_signs", "unpack_bits",
@@ -40,13 +41,6 @@ BACKENDS = ("auto", "torch", "cpu", "cuda", "triton", "faiss")
 CUDA_MAX_K = 2048  # the CUDA kernel keeps the k results in shared memory
 TRITON_MAX_K = 1024  # = ds_xc_ops.hamming_triton.TRITON_MAX_K (keys in registers); not imported: triton is optional
 TRITON_ID_LIMIT = 1 << 52  # the Triton kernel packs ids below the distance in an int64 key
-_LOGGED: set = set()  # messages logged once per process
-
-
-def _log_once(level: int, msg: str) -> None:
-    if msg not in _LOGGED:
-        _LOGGED.add(msg)
-        logger.log(level, msg)
 
 
 # --------------------------------------------------------------------------- packing
@@ -207,7 +201,7 @@ def _resolve(backend: str, device: torch.device, k: int) -> str:
         choice = "cpu"
     else:
         choice = "torch"
-    _log_once(logging.INFO, f"hamming_topk: backend 'auto' uses '{choice}' for {device.type} tensors")
+    log_once(logger, logging.INFO, f"hamming_topk: backend 'auto' uses '{choice}' for {device.type} tensors")
     return choice
 
 

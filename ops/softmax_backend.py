@@ -22,6 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ds_xc_ops.logs import log_once
 from ds_xc_ops.triton_util import interpreting
 
 __all__ = ["SOFTMAX_BACKENDS", "KEY", "check_backend", "triton_usable", "load_triton_softmax",
@@ -33,13 +34,6 @@ SOFTMAX_BACKENDS = ("auto", "torch", "triton")
 KEY = "extreme_classification.softmax_backend"
 _SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
 _STATE: dict = {}  # "fn" -> the loaded entry point or None, "error" -> why not
-_LOGGED: set = set()
-
-
-def _log_once(level: int, msg: str) -> None:
-    if msg not in _LOGGED:
-        _LOGGED.add(msg)
-        logger.log(level, msg)
 
 
 def check_backend(backend: str) -> str:
@@ -57,12 +51,12 @@ def load_triton_softmax() -> Optional[Callable]:
             importlib.import_module("ds_xc_ops.triton_softmax_kernels")  # triton itself, and the jit decoration
         except Exception as exc:  # ImportError, or a Triton that fails to initialise
             _STATE["fn"], _STATE["error"] = None, f"{type(exc).__name__}: {exc}"
-            _log_once(logging.WARNING, f"ds_xc triton softmax unavailable ({_STATE['error']}); "
+            log_once(logger, logging.WARNING, f"ds_xc triton softmax unavailable ({_STATE['error']}); "
                       "the PyTorch path runs")
         else:
             _STATE["fn"], _STATE["error"] = mod.triton_fused_loss_and_grads, None
             mode = "the interpreter (TRITON_INTERPRET=1)" if interpreting() else "compiled kernels"
-            _log_once(logging.INFO, f"ds_xc triton softmax loaded: {mode}")
+            log_once(logger, logging.INFO, f"ds_xc triton softmax loaded: {mode}")
     return _STATE["fn"]
 
 
@@ -93,6 +87,6 @@ def resolve_softmax(backend: str, x: torch.Tensor, w: torch.Tensor) -> Optional[
             raise ValueError(f"{KEY} = 'triton' cannot run: {why}; use 'auto' or 'torch'")
         return load_triton_softmax()
     use = w.device.type == "cuda" and dtype_ok and load_triton_softmax() is not None
-    _log_once(logging.INFO, f"{KEY} = 'auto' uses {'triton' if use else 'torch'} for {w.device.type} "
+    log_once(logger, logging.INFO, f"{KEY} = 'auto' uses {'triton' if use else 'torch'} for {w.device.type} "
               f"tensors ({w.dtype})")
     return load_triton_softmax() if use else None

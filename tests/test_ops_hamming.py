@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+import ds_xc_ops.logs
 from ds_xc_ops import builders
 from ds_xc_ops import hamming as H
 from ds_xc_ops.hamming_torch import topk_ivf_torch
@@ -219,7 +220,7 @@ def test_flat_equals_ivf_with_one_list(cpu_op, backend, bits, k):
 
 # ---------------------------------------------------------------- dispatch, build, errors
 def test_auto_uses_cpu_and_logs_once(cpu_op, caplog, monkeypatch):
-    monkeypatch.setattr(H, "_LOGGED", set())
+    monkeypatch.setattr(ds_xc_ops.logs, "_LOGGED", set())
     args, k = scenario("random", 64)
     with caplog.at_level(logging.INFO, logger="ds_xc_ops.hamming"):
         assert_same(H.hamming_topk_ivf(*args, k), H.hamming_topk_ivf(*args, k, backend="torch"))
@@ -236,7 +237,7 @@ def test_failed_build_warns_and_falls_back(monkeypatch, caplog):
 
     monkeypatch.setattr(builders, "_OPS", {})
     monkeypatch.setitem(builders.BUILDERS, "cpu", Broken)
-    monkeypatch.setattr(H, "_LOGGED", set())
+    monkeypatch.setattr(ds_xc_ops.logs, "_LOGGED", set())
     args, k = scenario("few_codes", 32)
     with caplog.at_level(logging.INFO):
         got = H.hamming_topk_ivf(*args, k)
