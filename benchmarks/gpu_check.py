@@ -111,7 +111,7 @@ def _triton_kernels():
     from ds_xc.head.margins import build_loss
     from ds_xc_ops.hamming import hamming_topk_ivf
     from ds_xc_ops.triton_select import select_above
-    from ds_xc_ops.triton_softmax import triton_fused_loss_and_grads
+    from ds_xc.head.triton_softmax import triton_fused_loss_and_grads
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(48, 32, generator=gen).to(dev)

@@ -247,7 +247,7 @@ class HeadConfig(_Section):
     chunk_size: int = Field(0, ge=0, description="Rows of the global batch per logits chunk; 0 = one chunk.")
     softmax_backend: Literal["auto", "torch", "triton"] = Field(
         "torch", description="Implementation of the exact (fused) softmax and margin losses: torch = the chunked "
-        "PyTorch path (any device and dtype); triton = the fused Triton kernels of ops/triton_softmax.py (CUDA "
+        "PyTorch path (any device and dtype); triton = the fused Triton kernels of ds_xc/head/triton_softmax.py (CUDA "
         "tensors, float32/bfloat16/float16 weights; the (N, K) logits never exist; chunk_size is ignored); "
         "auto = triton for CUDA tensors when triton imports, else torch. Details in docs/ops.md.")
     dtype: Literal["float32", "float64", "bfloat16"] = Field("float32", description="Head weight dtype.")

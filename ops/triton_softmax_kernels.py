@@ -1,4 +1,4 @@
-"""Triton kernels of the fused class-parallel margin softmax (see ops/triton_softmax.py).
+"""Triton kernels of the fused class-parallel margin softmax (driven by ds_xc/head/triton_softmax.py).
 
 Legend: N rows (the global batch chunk), K active classes of this shard, d embedding dim,
 S class splits, BM / BN / BD the row / class / hidden-dim tile sizes.

@@ -51,7 +51,7 @@ def test_wheel_holds_ds_xc_ops_and_the_kernel_sources(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"ds_xc", "ds_xc_ops"}, tops
-    for need in ("ds_xc_ops/hamming.py", "ds_xc_ops/triton_softmax.py", "ds_xc_ops/csrc/hamming_cpu.cpp",
+    for need in ("ds_xc_ops/hamming.py", "ds_xc_ops/triton_softmax_kernels.py", "ds_xc/head/triton_softmax.py", "ds_xc_ops/csrc/hamming_cpu.cpp",
                  "ds_xc_ops/csrc/hamming_cuda.cu", "ds_xc/engine/core.py", "ds_xc/sampling/ann/index.py"):
         assert need in names, need
 

@@ -1,4 +1,4 @@
-"""The fused Triton margin softmax (ops/triton_softmax.py) == the PyTorch path, under Triton's
+"""The fused Triton margin softmax (ds_xc/head/triton_softmax.py) == the PyTorch path, under Triton's
 CPU interpreter: every loss, targets on other ranks (-1), N and K off the tile sizes, fp32,
 fp16 and bf16-stored inputs, every need_gx / need_gw combination, the overlap schedule's
 accumulate / finish arguments, the backend switch, and a 2-rank class-parallel run against
@@ -18,8 +18,8 @@ from ds_xc import config as cfg  # noqa: E402
 from ds_xc.head import init_shard, shard_range  # noqa: E402
 from ds_xc.head.margins import build_loss  # noqa: E402
 from ds_xc.head.softmax import finish_weight_grad, fused_loss_and_grads, inverse_row_norms  # noqa: E402
-from ds_xc_ops.softmax_backend import resolve_softmax  # noqa: E402
-from ds_xc_ops.triton_softmax import TileConfig, triton_fused_loss_and_grads  # noqa: E402
+from ds_xc.head.softmax_backend import resolve_softmax  # noqa: E402
+from ds_xc.head.triton_softmax import TileConfig, triton_fused_loss_and_grads  # noqa: E402
 from tests.reference import LOSSES, reference  # noqa: E402
 
 N, K, D = 37, 53, 24  # none a multiple of the 16-wide interpreter tiles
@@ -130,7 +130,7 @@ _COMPILE_SM90 = """
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from ds_xc_ops.triton_softmax import gpu_tiles
+from ds_xc.head.triton_softmax import gpu_tiles
 from ds_xc_ops.triton_softmax_kernels import backward_kernel, forward_stats_kernel
 assert isinstance(forward_stats_kernel, triton.runtime.JITFunction), type(forward_stats_kernel)
 ptr = {"rx_ptr": "*fp32", "rw_ptr": "*fp32", "t_ptr": "*i32"}
@@ -221,7 +221,7 @@ def test_backend_switch(monkeypatch):
 
 def test_backend_when_triton_does_not_import(monkeypatch):
     """A failed import (remembered by the loader) makes 'triton' an error naming the key."""
-    import ds_xc_ops.softmax_backend as sb
+    import ds_xc.head.softmax_backend as sb
     monkeypatch.setattr(sb, "_STATE", {"fn": None, "error": "ImportError: no module named 'triton'"})
     x, w, _ = _problem(9)
     assert sb.load_triton_softmax() is None

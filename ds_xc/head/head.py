@@ -32,7 +32,7 @@ from ds_xc.head.softmax import sharded_margin_loss
 from ds_xc.parallel.collectives import all_gather_no_grad, all_gather_rows, exchange_sizes, merge_topk
 from ds_xc.parallel.groups import group_rank, group_size, is_distributed
 from ds_xc.sampling import ActiveSet, build_sampler
-from ds_xc_ops.softmax_backend import SOFTMAX_BACKENDS
+from ds_xc.head.softmax_backend import SOFTMAX_BACKENDS
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class ClassParallelHead(nn.Module):
             forward returns a NaN loss without a graph on every rank, touching neither the
             weights nor the sampler; XCEngine, whose config default is "skip", then skips the step).
         softmax_backend: "torch" | "triton" | "auto", the implementation of the exact fused
-            softmax (ops/softmax_backend.py; extreme_classification.softmax_backend).
+            softmax (ds_xc/head/softmax_backend.py; extreme_classification.softmax_backend).
     """
 
     def __init__(self, embedding_dim: int, num_classes: int, loss="softmax", sampler="full",

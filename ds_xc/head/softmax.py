@@ -196,10 +196,10 @@ def fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor
     :func:`finish_weight_grad` at the end.
 
     ``backend`` (``extreme_classification.softmax_backend``): "torch" runs the code below;
-    "triton" or "auto" may hand the call to the fused Triton kernels (ops/softmax_backend.py).
+    "triton" or "auto" may hand the call to the fused Triton kernels (ds_xc/head/softmax_backend.py).
     """
     if backend != "torch":
-        from ds_xc_ops.softmax_backend import resolve_softmax  # lazy: triton loads only when asked
+        from ds_xc.head.softmax_backend import resolve_softmax  # lazy: triton loads only when asked
         fused = resolve_softmax(backend, x, w)
         if fused is not None:
             return fused(x, w, targets, loss, group, chunk_size, need_gx, need_gw,

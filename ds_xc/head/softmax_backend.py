@@ -4,7 +4,7 @@ The config key ``extreme_classification.softmax_backend`` takes
 
 - ``torch``: :func:`ds_xc.head.softmax.fused_loss_and_grads` (any device and dtype; the
   semantics);
-- ``triton``: :func:`ds_xc_ops.triton_softmax.triton_fused_loss_and_grads`; an error naming the
+- ``triton``: :func:`ds_xc.head.triton_softmax.triton_fused_loss_and_grads`; an error naming the
   key when Triton does not import, when the tensors are on the CPU without
   ``TRITON_INTERPRET=1`` (the interpreter, slow, for tests), or for float64;
 - ``auto``: triton for CUDA tensors of a supported dtype when Triton imports, else torch
@@ -47,7 +47,7 @@ def load_triton_softmax() -> Optional[Callable]:
     """``triton_fused_loss_and_grads``, or None when Triton does not import (logged once)."""
     if "fn" not in _STATE:
         try:
-            mod = importlib.import_module("ds_xc_ops.triton_softmax")
+            mod = importlib.import_module("ds_xc.head.triton_softmax")
             importlib.import_module("ds_xc_ops.triton_softmax_kernels")  # triton itself, and the jit decoration
         except Exception as exc:  # ImportError, or a Triton that fails to initialise
             _STATE["fn"], _STATE["error"] = None, f"{type(exc).__name__}: {exc}"
