@@ -28,8 +28,6 @@ DDP's bucket buffer is a copy of the gradients: the hook returns the mean in it,
 writes it into ``.grad``. The hook's collectives run synchronously on the hook's group
 and it returns a completed future.
 """
-from __future__ import annotations
-
 import logging
 from typing import Optional
 
@@ -175,8 +173,10 @@ def _contiguous_runs(sparse: list, start: dict, params: list) -> list:
     return runs
 
 
-def compressed_ddp_hook(state: CompressedDDPHook, bucket: dist.GradBucket) -> torch.futures.Future:
-    """DDP communication hook: the bucket's compressed mean over ``state``'s group (a done future)."""
-    fut: torch.futures.Future = torch.futures.Future()
+def compressed_ddp_hook(state: CompressedDDPHook, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: the bucket's compressed mean over ``state``'s group (a done future).
+
+    No ``from __future__ import annotations`` in this module: DDP checks these annotations."""
+    fut = torch.futures.Future()
     fut.set_result(state.reduce_bucket(bucket))
     return fut
