@@ -7,7 +7,7 @@ with one process (``python examples/X.py``) up to float32 rounding.
 import argparse
 import json
 import os
-import tempfile
+import socket
 
 import torch
 import torch.distributed as dist
@@ -30,12 +30,13 @@ def parse_args(description: str, **extra) -> argparse.Namespace:
 
 
 def init_process_group() -> tuple[int, int]:
-    """gloo from torchrun's environment, or one process without a launcher."""
-    if "RANK" in os.environ:
-        dist.init_process_group("gloo")
-    else:
-        store = os.path.join(tempfile.mkdtemp(), "store")
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    """gloo from torchrun's environment, or one process without a launcher (as torchrun would set it)."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo")
     torch.set_num_threads(1)
     return dist.get_rank(), dist.get_world_size()
 

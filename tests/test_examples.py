@@ -1,5 +1,5 @@
 """The examples under examples/ run as docs/engines.md says (torchrun, gloo, few steps), and their
-losses agree: DDP, FSDP2 and plain torch.distributed on 2 and 3 ranks equal one process on the
+losses agree: DDP, FSDP2, DeepSpeed and plain torch.distributed on 2 and 3 ranks equal one process on the
 whole global batch (float32 rounding), and the DDP comm hook's compressed run equals
 CompressedOptimizer's on the same seeds."""
 import json
@@ -31,7 +31,7 @@ def _run(tmp_path, script, nproc, *args):
 def test_dense_examples_equal_one_process(tmp_path):
     ref = _run(tmp_path, "torch_head", 0)  # python examples/torch_head.py: one process
     assert ref["world_size"] == 1 and ref["losses"][-1] < ref["losses"][0]
-    for script, nproc in (("torch_head", 2), ("ddp_head", 2), ("fsdp_head", 3)):
+    for script, nproc in (("torch_head", 2), ("ddp_head", 2), ("fsdp_head", 3), ("deepspeed_head", 2)):
         got = _run(tmp_path, script, nproc)
         assert got["world_size"] == nproc
         assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5), (script, nproc)
