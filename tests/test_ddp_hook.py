@@ -118,7 +118,7 @@ def _run_resume(rank, world, config, tmp):
     _ddp_steps(rank, ddp, opt, 3, first=2)
     resumed_res = [hook.optimizer.state[p].get("residual") for p in net.parameters()]
     # the same run without loading the residuals: must differ, or the test could not fail
-    net2, ddp2, opt2, hook2, _ = _ddp(config)
+    net2, ddp2, opt2, _, _ = _ddp(config)
     net2.load_state_dict(state["net"])
     opt2.load_state_dict(state["opt"])
     _ddp_steps(rank, ddp2, opt2, 3, first=2)
