@@ -3,11 +3,12 @@
 Public API: :class:`ClassParallelHead`, :func:`parse_config`, :class:`ConfigError`,
 :func:`initialize` (DeepSpeed engine + head + head optimizer from one config),
 :func:`build_head_optimizer`, :class:`CompressedOptimizer` (compressed data-parallel
-gradient reduction, see docs/compression.md).
+gradient reduction, see docs/compression.md), :class:`CompressedDDPHook` and
+:func:`compressed_ddp_hook` (the same reduction as a DDP communication hook, docs/engines.md).
 """
 from ds_xc.config import ConfigError, parse_config
 from ds_xc.head import ClassParallelHead, build_head_optimizer
-from ds_xc.compression import CompressedOptimizer
+from ds_xc.compression import CompressedDDPHook, CompressedOptimizer, compressed_ddp_hook
 
 __version__ = "0.1.0"
 
@@ -19,4 +20,4 @@ def initialize(*args, **kwargs):
 
 
 __all__ = ["ClassParallelHead", "ConfigError", "parse_config", "initialize", "build_head_optimizer",
-           "CompressedOptimizer", "__version__"]
+           "CompressedOptimizer", "CompressedDDPHook", "compressed_ddp_hook", "__version__"]
