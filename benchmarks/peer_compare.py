@@ -203,6 +203,7 @@ def header(args, command: str, started: str, wall_s: float, load0: str, torch_ve
     sizes = {"num_classes": args.num_classes, "dim": args.dim, "batch": args.batch, "sample_rate": args.sample_rate}
     trial = sizes != ISSUE_SIZES or args.smoke
     sampled = {"type": "ann", "sample_rate": args.sample_rate}
+    rev = git_rev(REV_PATHS)  # lists the uncommitted files under those paths, if any
     return [
         "# Peer comparison: ds_xc heads vs a Partial-FC-equivalent head",
         "",
@@ -213,7 +214,7 @@ def header(args, command: str, started: str, wall_s: float, load0: str, torch_ve
         f"at the end {load_average()}; per variant and round (rank 0, start / end) in the `load` column",
         f"- torch {torch_version}, python {platform.python_version()}, CPU: {cpu_model()}, {usable_cores()} cores "
         f"usable (os.cpu_count() = {os.cpu_count()}); one torch thread per rank",
-        f"- git {git_rev(REV_PATHS)} (uncommitted files of ds_xc/, ops/, benchmarks/ are listed)",
+        f"- git {rev}" + ("" if "uncommitted" in rev else " (no uncommitted files under ds_xc/, ops/, benchmarks/)"),
         f"- head: {args.num_classes:,} classes, d={args.dim}, global batch {args.batch} (split evenly), float32, "
         f"loss {json.dumps(LOSSES[args.loss])} for every variant",
         f"- ds_xc variants: `ClassParallelHead.from_config` of {{num_classes, embedding_dim, loss, sampler, "

@@ -36,3 +36,17 @@ def test_smoke_run_compares_like_with_like(capsys):
         assert (peer_compare.verdict(ann) == "yes") == (max(ann["ratio"], ann["ratio_cpu"]) <= 0.35)
         assert f"| {world} | ann | " in report
     assert "Trial run at other sizes" in report and "wrote " not in report  # --smoke writes nothing
+
+
+def test_bad_flags_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        peer_compare.parse_args(["--variants", "pfc,nope"])
+    assert "--variants: unknown ['nope']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        peer_compare.parse_args(["--worlds", "1,3"])
+    assert "--worlds 1,3: every world size must be >= 1 and divide --batch 512" in capsys.readouterr().err
+    args = peer_compare.parse_args(["--smoke"])
+    assert (args.num_classes, args.steps, args.rounds, args.out) == (8192, 1, 1, "-")
+    assert peer_compare.head_section(vars(args) | {"update": "lazy"}, "exact")["optimizer"] == peer_compare.SGD
+    assert "update" not in peer_compare.head_section(vars(args), "ann")["optimizer"]  # the library default
+    assert peer_compare.head_section(vars(args) | {"update": "lazy"}, "ann")["optimizer"]["update"] == "lazy"
