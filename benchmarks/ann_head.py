@@ -37,8 +37,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/harness.py
 from harness import (close_rank, cpu_model, git_rev, hwm_bytes, init_rank, load_average, mib,  # noqa: E402
-                     parse_key_json, peak_reset_works, reset_peak, rss_bytes, spawn_ranks, usable_cores,
-                     write_report)
+                     parse_key_json, peak_reset_works, reset_peak, rss_bytes, spawn_ranks, timed_index_build,
+                     usable_cores, write_report)
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "ann_head.md")
 LOSSES = {"arcface": {"type": "arcface", "scale": 64.0, "margin": 0.5}, "softmax": {"type": "softmax"}}
@@ -109,18 +109,7 @@ def run_rank(rank: int, world: int, port: int, spec: dict) -> dict:
             if hasattr(s, attr):
                 timer.wrap(s, attr, attr.strip("_"))
         timer.wrap(s, "sample", "sample")
-        build_s, build_cpu, build_extra = 0.0, 0.0, 0
-        if hasattr(s, "rebuild"):  # the first build, timed and probed (before the momentum exists)
-            dist.barrier()
-            before = rss_bytes()
-            reset_peak()
-            c = resource.getrusage(resource.RUSAGE_SELF)
-            t = time.perf_counter()
-            head.rebuild_index()
-            build_s = time.perf_counter() - t
-            c1 = resource.getrusage(resource.RUSAGE_SELF)
-            build_cpu = c1.ru_utime - c.ru_utime + c1.ru_stime - c.ru_stime
-            build_extra = hwm_bytes() - before
+        build_s, build_cpu, build_extra = timed_index_build(head)  # before the momentum exists
         gen = torch.Generator().manual_seed(1000 + rank)  # same data for every variant
 
         def batch():

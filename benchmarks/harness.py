@@ -2,15 +2,18 @@
 
 * Memory: VmRSS / VmHWM of the calling process from /proc/self/status, and a reset of
   VmHWM to the current RSS through /proc/self/clear_refs (Linux), so that the peak of a
-  phase can be measured inside one process (``reset_peak()`` ... ``hwm_bytes()``).
+  phase can be measured inside one process (``release_free_memory()``, ``reset_peak()`` ...
+  ``hwm_bytes()``).
 * Ranks: :func:`spawn_ranks` starts ``spec['world']`` fresh processes (spawn context) in a
   new gloo group on 127.0.0.1 (a free port each time), runs ``fn(rank, world, port, spec)``
   in each with ``spec['threads']`` torch/OMP threads, and returns the per-rank results
   (or raises with every failing rank's traceback). ``fn`` must be a module-level function
   of an importable module (the spawned children import it by name; a script's own
   functions work too, multiprocessing re-imports the script as ``__mp_main__``).
+* Timing: user + sys CPU seconds of the process (:func:`cpu_seconds`); one timed build of a
+  head's sampler index (:func:`timed_index_build`: wall, CPU, memory peak).
 * Report facts: CPU model, usable cores, the 1/5/15-minute load, git revision (with the
-  uncommitted files of ds_xc/, as other people edit it concurrently).
+  uncommitted files of ds_xc/, or of the paths given, as other people edit them concurrently).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import resource
 import socket
 import subprocess
 import time
@@ -50,6 +54,19 @@ def reset_peak() -> None:
     """Reset VmHWM to the current VmRSS (Linux: write 5 to /proc/self/clear_refs)."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
+def release_free_memory() -> None:
+    """Collect garbage and hand the allocator's free pages back to the kernel (glibc ``malloc_trim``;
+    a no-op elsewhere), so that the RSS before the next phase of one process is a clean baseline."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def peak_reset_works() -> bool:
@@ -156,13 +173,38 @@ def spawn_ranks(spec: dict, fn) -> list:
                 p.join()
 
 
+# ---------------------------------------------------------------------------- timing
+def cpu_seconds() -> float:
+    """User + sys CPU seconds of this process so far (all its threads)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def timed_index_build(head) -> tuple:
+    """Build the sampler index of ``head`` (ANN, kNN) now, on every rank of its group together:
+    (wall s, CPU s, peak bytes above the RSS before it); (0.0, 0.0, 0) for samplers without one.
+    Benchmarks call it once before the warm-up and amortise it over ``rebuild_interval``."""
+    if not hasattr(head.sampler, "rebuild"):
+        return 0.0, 0.0, 0
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+    before = rss_bytes()
+    reset_peak()
+    c, t = cpu_seconds(), time.perf_counter()
+    head.rebuild_index()
+    return time.perf_counter() - t, cpu_seconds() - c, hwm_bytes() - before
+
+
 # ---------------------------------------------------------------------------- report facts
-def git_rev() -> str:
-    """Commit of the checkout, and whether ds_xc/ differs from it (others edit it concurrently)."""
+def git_rev(paths=("ds_xc",)) -> str:
+    """Commit of the checkout, and which files under ``paths`` (git pathspecs) differ from it
+    (others edit them concurrently)."""
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                              text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "ds_xc"], cwd=ROOT, capture_output=True,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", *paths], cwd=ROOT, capture_output=True,
                                text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
         return "unknown"
