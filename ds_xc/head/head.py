@@ -30,7 +30,7 @@ from ds_xc.head.margins import TargetLoss, build_loss
 from ds_xc.head.partition import shard_range
 from ds_xc.head.softmax import sharded_margin_loss
 from ds_xc.parallel.collectives import all_gather_no_grad, all_gather_rows, exchange_sizes, merge_topk
-from ds_xc.parallel.groups import group_rank, group_size, is_distributed
+from ds_xc.parallel.groups import group_rank, group_size, is_distributed, resolve_group
 from ds_xc.sampling import ActiveSet, build_sampler
 from ds_xc_ops.softmax_backend import SOFTMAX_BACKENDS
 
@@ -71,7 +71,8 @@ class ClassParallelHead(nn.Module):
         num_classes: C, split over ``group`` as ``C // P + (rank < C % P)`` contiguous rows.
         loss: a loss config (dict, model or name: softmax | cosface | arcface | combined | dsoftmax).
         sampler: a sampler config (dict, model or name: full | uniform).
-        group: the process group the classes are sharded over (None: world, or one process).
+        group: the process group the classes are sharded over (a ProcessGroup or 1-D DeviceMesh;
+            None: the world, or one process).
         chunk_size: rows of the global batch per logits chunk (0: one chunk).
         dtype, init_std, seed: weight dtype and init; init is per class, independent of P.
         update: "dense" (dense weight gradients) or "lazy" / "frozen" / "lazy_exact" (sparse
@@ -105,7 +106,7 @@ class ClassParallelHead(nn.Module):
                                   f"{', '.join(map(repr, UPDATES))}")
         if chunk_size < 0:
             raise cfg.ConfigError(f"{cfg.HEAD_SECTION}.chunk_size: got {chunk_size}; must be >= 0")
-        self.group = group
+        self.group = resolve_group(group)  # None: the world, named explicitly
         self.rank, self.world_size = group_rank(group), group_size(group)
         self.embedding_dim, self.num_classes = int(embedding_dim), int(num_classes)
         self.class_start, self.num_local = shard_range(self.num_classes, self.world_size, self.rank)
