@@ -138,3 +138,43 @@ def test_group_of_two_beside_an_idle_rank_on_three_ranks(pools, tmp_path):
     results = pools(3).run(_run, layout, str(tmp_path), timeout=120)
     assert results[1] is None
     _check(results, layout)
+
+
+def _copies(rank, world):
+    """copy_subgroups on every rank: a copy of each rank's own subgroup; copy_group refuses a subgroup."""
+    import torch.distributed as dist
+    from ds_xc.parallel.groups import copy_group, copy_subgroups, group_ranks, new_groups
+    from tests.dist_pool import catch
+    group = new_groups([[0, 1], [2, 3]])
+    copy = copy_subgroups(group)
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=copy)
+    return group_ranks(copy), t.item(), catch(lambda: copy_group(group))
+
+
+def test_copies_of_subgroups_are_made_by_every_rank(pools):
+    results = pools(4).run(_copies, timeout=120)
+    for rank, (ranks, total, refused) in enumerate(results):
+        assert ranks == ([0, 1] if rank < 2 else [2, 3])
+        assert total == (1.0 if rank < 2 else 5.0)  # 0 + 1, 2 + 3: each copy holds its group only
+        assert refused[0] == "ValueError" and "proper subgroup" in refused[1] and "copy_subgroups" in refused[1]
+
+
+def _mesh_head(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from tests.dist_pool import catch
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    g = torch.Generator().manual_seed(40 + rank)
+    x, y = torch.randn(3, D, generator=g, dtype=torch.float64), torch.randint(0, 11, (3,), generator=g)
+    losses = []
+    for group in (mesh, mesh["tp"], None):  # the mesh, its named dimension, the world: the same group
+        head = ClassParallelHead(D, 11, group=group, dtype=torch.float64, init_std=0.5, seed=4)
+        losses.append(head(x, y).item())
+    square = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    return losses, catch(lambda: ClassParallelHead(D, 11, group=square))
+
+
+def test_a_one_dimensional_device_mesh_names_the_group(pools):
+    for losses, refused in pools(4).run(_mesh_head, timeout=120):
+        assert losses[0] == losses[1] == losses[2]
+        assert refused[0] == "ValueError" and "DeviceMesh of 2 dimensions" in refused[1]
