@@ -63,7 +63,8 @@ def lost_peers(peers: list) -> list:
 
 
 def stopped_peers(peers: list) -> list:
-    """Ranks (positions in ``peers``) on this host whose process is stopped (SIGSTOP, a debugger): alive but never answering."""
+    """Ranks (positions in ``peers``) on this host whose process is stopped (SIGSTOP, a debugger):
+    alive but never answering."""
     host = socket.gethostname()
     return [r for r, (h, pid) in enumerate(peers) if h == host and pid != os.getpid() and
             _process_state(pid) in ("T", "t")]

@@ -158,6 +158,6 @@ def copy_group(group: ProcessGroup = None, backend=None):
         raise ValueError(f"copy_group: the group of world ranks {group_ranks(group)} is a proper subgroup of the "
                          f"world ({dist.get_world_size(dist.group.WORLD)} ranks); torch creates groups with every "
                          "rank of the world, so only its members cannot copy it: build the copies of all subgroups "
-                         "on every rank with ds_xc.parallel.groups.copy_subgroups(group) (or new_groups([...])) and pass yours "
-                         "as comm_group=")
+                         "on every rank with ds_xc.parallel.groups.copy_subgroups(group) (or new_groups([...])) "
+                         "and pass yours as comm_group=")
     return new_group(ranks=group_ranks(group), backend=backend or dist.get_backend(group))
