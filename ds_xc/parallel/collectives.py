@@ -24,7 +24,8 @@ import torch.distributed as dist
 from ds_xc.parallel.groups import group_rank, group_size, is_distributed
 
 __all__ = ["all_gather_rows", "all_gather_no_grad", "replicated_rows", "exchange_sizes", "gather_flat",
-           "reduce_scatter_flat", "PaddedGather", "PaddedReduceScatter", "gather_stacked", "merge_topk", "all_reduce_mean_", "PendingMean"]
+           "reduce_scatter_flat", "PaddedGather", "PaddedReduceScatter", "gather_stacked", "merge_topk",
+           "all_reduce_mean_", "PendingMean"]
 
 # torch 2.13 renamed the flat-tensor collectives; keep older torch (>= 2.4) working too
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
