@@ -265,8 +265,22 @@ class HeadConfig(_Section):
         "skip", description="NaN/Inf in the embeddings, the loss or the gradients: skip = every rank skips the "
         "optimizer step (head, backbone and their optimizer states unchanged), logs a warning and counts it "
         "(XCEngine.stats()['skipped_steps']); raise = every rank raises FloatingPointError.")
+    input_parallel: Literal["data", "replicated"] = Field(
+        "data", description="How the embeddings are spread over the head's group: data = each rank passes its own "
+        "rows (all-gathered; the loss is the mean over every rank's rows and each rank gets P times the gradient "
+        "of that mean for its rows); replicated = every rank passes the same rows, as under tensor (vocab) "
+        "parallelism: no gather or reduce-scatter, the loss is the mean over the given rows and every rank gets "
+        "the full gradient with respect to them (the partial gradients all-reduced over the group). Every sampler "
+        "works with either; the overlap pipeline needs data.")
     optimizer: HeadOptimizerConfig = Field(default_factory=HeadOptimizerConfig, description="Head optimizer.")
     overlap: OverlapConfig = Field(default_factory=OverlapConfig, description="Overlap pipeline.")
+
+    @model_validator(mode="after")
+    def _check_input_parallel(self):
+        if self.input_parallel == "replicated" and self.overlap.enabled:
+            raise ValueError("input_parallel='replicated' with overlap.enabled=true: the overlap pipeline hides the "
+                             "gathers of input_parallel='data' (the replicated head has none); disable overlap")
+        return self
 
 
 # --------------------------------------------------------------------------- training job

@@ -22,7 +22,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from ds_xc.checkpoint import CheckpointError, atomic_json
-from ds_xc.parallel.groups import world_rank_and_size
+from ds_xc.parallel.groups import group_rank, group_size, is_distributed
 
 log = logging.getLogger(__name__)
 
@@ -129,9 +129,9 @@ def raise_if_disk_full(exc: BaseException, save_dir: str) -> None:
 
 def write_manifest_all_ranks(staging: str, group) -> None:
     """Every rank hashes a share of the staged files; rank 0 writes ds_xc_manifest.json (ds_xc/manifest.py)."""
-    if dist.is_initialized():
+    if is_distributed(group):
         dist.barrier(group=group)  # every file is written
-    rank, world = world_rank_and_size()
+    rank, world = group_rank(group), group_size(group)  # shares of the work, and rank 0, within ``group``
     names = list_files(staging)
     entries = [hash_files(staging, names[rank::world])]
     if world > 1:
@@ -142,8 +142,9 @@ def write_manifest_all_ranks(staging: str, group) -> None:
 
 
 def verify_manifest_all_ranks(tag_dir: str, group) -> None:
-    """Check every file against the manifest, a share per rank; any problem raises on every rank alike."""
-    rank, world = world_rank_and_size()
+    """Check every file against the manifest, a share per rank of ``group``; any problem raises on every
+    rank alike."""
+    rank, world = group_rank(group), group_size(group)
     files = read_manifest(tag_dir)  # the same file on every rank: a damaged one raises everywhere
     if files is None:
         log.warning("%s has no %s (written before ds_xc checksummed its checkpoints): file checksums are not "

@@ -14,19 +14,21 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from ds_xc.parallel.groups import world_rank_and_size
+from ds_xc.parallel.groups import group_size, resolve_group, world_rank_and_size
 
 __all__ = ["gather_peers", "lost_peers", "stopped_peers", "is_comm_failure", "describe_comm_failure"]
 
 
 
-def gather_peers() -> list:
-    """[(hostname, pid)] of every world rank (one all_gather_object), to name a peer that dies."""
+def gather_peers(group=None) -> list:
+    """[(hostname, pid)] of every rank of ``group`` in group-rank order (one all_gather_object over
+    ``group``; None: the world), to name a peer that dies. Collective: every rank of ``group`` calls it."""
     me = (socket.gethostname(), os.getpid())
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    group = resolve_group(group)
+    if group_size(group) == 1:
         return [me]
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, me)
+    out: list = [None] * group_size(group)
+    dist.all_gather_object(out, me, group=group)
     return out
 
 
@@ -55,13 +57,14 @@ _EXIT_GRACE_S = 3.0  # how long a failed collective waits for a dying peer to sh
 
 
 def lost_peers(peers: list) -> list:
-    """World ranks on this host whose process is gone (ranks on other hosts cannot be checked)."""
+    """Ranks (positions in ``peers``) on this host whose process is gone (ranks on other hosts cannot be checked)."""
     host = socket.gethostname()
     return [r for r, (h, pid) in enumerate(peers) if h == host and pid != os.getpid() and _process_gone(pid)]
 
 
 def stopped_peers(peers: list) -> list:
-    """World ranks on this host whose process is stopped (SIGSTOP, a debugger): alive but never answering."""
+    """Ranks (positions in ``peers``) on this host whose process is stopped (SIGSTOP, a debugger):
+    alive but never answering."""
     host = socket.gethostname()
     return [r for r, (h, pid) in enumerate(peers) if h == host and pid != os.getpid() and
             _process_state(pid) in ("T", "t")]

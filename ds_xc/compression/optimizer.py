@@ -36,7 +36,7 @@ from ds_xc.compression.steps import ReductionSteps
 from ds_xc.compression.transport import (DTYPES, NodeGroups, WireCounter, all_gather_slices, allreduce_bytes,
                                          build_node_groups, dense_allreduce_mean_, reduce_scatter_sum,
                                          sparse_allgather_mean, values_allreduce_mean)
-from ds_xc.parallel.groups import group_size, is_distributed
+from ds_xc.parallel.groups import group_rank, group_size, is_distributed, resolve_group
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,9 @@ class CompressedOptimizer(CompressionState, ReductionSteps, torch.optim.Optimize
     Args:
         optimizer: any torch optimizer; its parameters must be identical on every rank.
         config: the ``gradient_compression`` section (dict or GradientCompressionConfig).
-        group: the data-parallel process group (None: the default group).
+        group: the data-parallel process group (a ProcessGroup or 1-D DeviceMesh; None: the world).
+        seed_rank: this rank's index in the random streams of the compressors (default: its rank
+            in ``group``), so that the draws depend on the rank within the group, not in the world.
         params: the tensors whose gradients are reduced (default: the optimizer's). Inside
             DeepSpeed these are the engine module's parameters, which the bf16 wrapper's
             fp32 master copies take their gradients from.
@@ -79,7 +81,8 @@ class CompressedOptimizer(CompressionState, ReductionSteps, torch.optim.Optimize
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, config=None, group=None, *, params=None,
-                 node_groups: Optional[NodeGroups] = None, rank_state_in_state_dict: bool = True):
+                 node_groups: Optional[NodeGroups] = None, rank_state_in_state_dict: bool = True,
+                 seed_rank: Optional[int] = None):
         self.__dict__["_ready"] = False
         cfg: GradientCompressionConfig = parse_compression(config if config is not None else {})
         params = params if params is not None else [p for g in optimizer.param_groups for p in g["params"]]
@@ -94,10 +97,11 @@ class CompressedOptimizer(CompressionState, ReductionSteps, torch.optim.Optimize
         self._params: list[torch.Tensor] = self.param_groups[0]["params"]
         self.inner, self.param_groups = optimizer, optimizer.param_groups
         self.defaults = getattr(optimizer, "defaults", {})  # DeepSpeed's bf16 wrapper has none
+        group = resolve_group(group)  # None: the world, named explicitly
         self.config, self.group = cfg, group
         self.world_size = group_size(group)
         self.rank_state_in_state_dict = rank_state_in_state_dict
-        self._seed_rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self._seed_rank = group_rank(group) if seed_rank is None else int(seed_rank)
         self.nodes = node_groups
         if self.nodes is None and cfg.hierarchy.ranks_per_node > 1 and cfg.enabled:
             self.nodes = build_node_groups(cfg.hierarchy.ranks_per_node, group)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ds_xc.parallel.collectives import all_reduce_mean_, gather_flat, reduce_scatter_flat
-from ds_xc.parallel.groups import group_rank, group_size, is_distributed, new_group
+from ds_xc.parallel.groups import group_rank, group_ranks, group_size, is_distributed, new_group, spans_world
 from ds_xc.parallel.timeline import wait_work
 
 __all__ = ["BLOCK", "WireCounter", "sparse_allgather_mean", "start_sparse_allgather_mean", "PendingSparseMean", "values_allreduce_mean", "dense_allreduce_mean_",
@@ -196,13 +196,21 @@ class NodeGroups:
 
 
 def build_node_groups(ranks_per_node: int, group=None) -> NodeGroups:
-    """Split ``group`` into nodes of ``ranks_per_node`` consecutive ranks (collective: every rank calls it)."""
+    """Split ``group`` into nodes of ``ranks_per_node`` consecutive ranks (collective over the world:
+    every rank calls it, so ``group`` must span the world; for a proper subgroup build the node groups
+    of every data-parallel group on every rank, ``ds_xc.parallel.groups.new_groups``, and pass
+    ``node_groups=`` to CompressedOptimizer)."""
     world = group_size(group)
     if ranks_per_node < 1 or world % ranks_per_node:
         from ds_xc.config import ConfigError
         raise ConfigError(f"gradient_compression.hierarchy.ranks_per_node={ranks_per_node} must divide the "
                           f"data-parallel group size {world}")
-    members = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    if not spans_world(group):
+        raise ValueError(f"build_node_groups: the data-parallel group of world ranks {group_ranks(group)} is a proper "
+                         "subgroup; torch creates groups with every rank of the world, so its members alone cannot: "
+                         "create the node groups on every rank with ds_xc.parallel.groups.new_groups and pass "
+                         "node_groups= (NodeGroups) to CompressedOptimizer")
+    members = group_ranks(group)
     rank = group_rank(group)
     num_nodes = world // ranks_per_node
     intra = inter = None

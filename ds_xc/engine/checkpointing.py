@@ -22,7 +22,7 @@ from ds_xc.checkpoint import (CheckpointError, apply_head_state, atomic_save, fs
 from ds_xc.engine.rng import apply_rng_state, read_rng_state, rng_file, rng_state
 from ds_xc.manifest import verify_manifest_all_ranks, write_manifest_all_ranks
 from ds_xc.parallel.agree import agree, all_or_none
-from ds_xc.parallel.groups import world_rank_and_size
+from ds_xc.parallel.groups import group_rank
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +49,13 @@ def _clear_staging(save_dir: str) -> None:
 
 
 def save_engine_checkpoint(xc, save_dir: str, tag: Optional[str], client_state: Optional[dict]) -> str:
-    """Write the checkpoint of ``xc`` (an XCEngine) as ``save_dir/<tag>``; collective over its flag group."""
+    """Write the checkpoint of ``xc`` (an XCEngine) as ``save_dir/<tag>``; collective over its flag group
+    (a copy of the engine's data-parallel group), whose rank 0 prepares and publishes the folder."""
     group = xc.flag_group
     with all_or_none("save_checkpoint (checking the tag)", group):
         tag = _checked_tag(xc, tag)
     agree((os.path.abspath(save_dir), tag), "save_checkpoint(save_dir, tag)", group)
-    rank0 = world_rank_and_size()[0] == 0
+    rank0 = group_rank(group) == 0
     staging = os.path.join(save_dir, STAGING_PREFIX + tag)
     with all_or_none(f"save_checkpoint: preparing {save_dir!r}", group):
         if rank0:
@@ -67,7 +68,7 @@ def save_engine_checkpoint(xc, save_dir: str, tag: Optional[str], client_state: 
         if xc.compression is not None:  # per-rank residuals: DeepSpeed saves rank 0's optimizer only
             from ds_xc.compression import save_compression_state
             save_compression_state(staging, xc.compression)
-        atomic_save(rng_state(), rng_file(staging))
+        atomic_save(rng_state(), rng_file(staging, group))
     state = dict(client_state or {})
     state["ds_xc"] = {"num_classes": xc.head.num_classes, "world_size": xc.head.world_size,
                       "skipped_steps": xc.skipped_steps}
@@ -102,7 +103,7 @@ def load_engine_checkpoint(xc, load_dir: str, tag: Optional[str]) -> Optional[di
         return None
     tag_dir = os.path.join(load_dir, tag)
     with all_or_none(f"load_checkpoint: locating {tag_dir!r}", group):
-        if world_rank_and_size()[0] == 0 and not os.path.isdir(tag_dir):
+        if group_rank(group) == 0 and not os.path.isdir(tag_dir):
             with contextlib.suppress(FileNotFoundError):
                 resolve_tag(load_dir, tag)  # puts back a tag whose re-save was killed between renames
     verify_manifest_all_ranks(tag_dir, group)  # a truncated or bit-flipped file: refused on every rank
@@ -118,7 +119,7 @@ def load_engine_checkpoint(xc, load_dir: str, tag: Optional[str]) -> Optional[di
         if xc.compression is not None:  # absent or other world size: residuals restart (warned)
             from ds_xc.compression.checkpoint import apply_compression_state
             apply_compression_state(tag_dir, xc.compression, *comp_state)
-        apply_rng_state(rng, tag_dir)
+        apply_rng_state(rng, tag_dir, group)
     return client_state or {}
 
 
@@ -130,7 +131,7 @@ def read_engine_checkpoint(xc, tag_dir: str) -> tuple:
     if xc.compression is not None:
         from ds_xc.compression.checkpoint import read_compression_state
         comp_state = read_compression_state(tag_dir, xc.compression)
-    rng = read_rng_state(tag_dir)
+    rng = read_rng_state(tag_dir, xc.flag_group)
     check_engine_files(tag_dir, xc.engine)
     return head_state, comp_state, rng
 

@@ -20,6 +20,7 @@ from ds_xc import config as cfg
 from ds_xc.engine.checkpointing import load_engine_checkpoint, save_engine_checkpoint
 from ds_xc.head import ClassParallelHead
 from ds_xc.manifest import raise_if_disk_full
+from ds_xc.parallel.groups import is_distributed
 from ds_xc.peers import is_comm_failure
 
 log = logging.getLogger(__name__)
@@ -67,8 +68,9 @@ class XCEngine:
     compression: Any = None  # the CompressedOptimizer reducing the backbone, when configured
     schedule: Any = None  # ds_xc.overlap.ChunkedHeadSchedule, when extreme_classification.overlap.enabled
     grad_reducer: Any = None  # ds_xc.overlap.BucketedGradReducer, when overlap_grad_reduce is on
-    flag_group: Any = None  # a gloo group of the world for the per-step non-finite verdict (off the bucket traffic)
-    peers: list = field(default_factory=list)  # [(hostname, pid)] per world rank, to name a lost peer
+    flag_group: Any = None  # a gloo copy of the engine's data-parallel group: the per-step non-finite verdict
+    # (off the bucket traffic), checkpoint agreement; None in one process
+    peers: list = field(default_factory=list)  # [(hostname, pid)] per rank of that group, to name a lost peer
     skipped_steps: int = 0  # optimizer steps skipped for NaN/Inf (extreme_classification.nonfinite="skip")
     _window_bad: bool = False  # a micro-step of the current accumulation window had a non-finite loss
     phase: str = "setup"  # the part of the step this rank is in (one of PHASES), named when a collective fails
@@ -189,7 +191,7 @@ class XCEngine:
         bad = self._window_bad or not self._grads_finite()
         self._window_bad = False
         flag = torch.tensor([1.0 if bad else 0.0])
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if is_distributed(self.flag_group):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.flag_group)
         if not flag.item():
             return False

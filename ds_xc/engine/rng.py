@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from ds_xc.checkpoint import load_file
-from ds_xc.parallel.groups import world_rank_and_size
+from ds_xc.parallel.groups import group_rank, group_size, world_rank_and_size
 
 log = logging.getLogger(__name__)
 
@@ -24,9 +24,10 @@ __all__ = ["RNG_DIR", "rng_file", "rng_state", "read_rng_state", "apply_rng_stat
 RNG_DIR = "ds_xc_rng"
 
 
-def rng_file(tag_dir: str) -> str:
-    """This rank's RNG state file inside the checkpoint tag ``tag_dir``."""
-    rank, world = world_rank_and_size()
+def rng_file(tag_dir: str, group=None) -> str:
+    """This rank's RNG state file inside the checkpoint tag ``tag_dir``, named by its rank in ``group``
+    (the engine's group; None: the world, or one process)."""
+    rank, world = world_rank_and_size() if group is None else (group_rank(group), group_size(group))
     return os.path.join(tag_dir, RNG_DIR, f"rank_{rank:05d}_of_{world:05d}.pt")
 
 
@@ -42,18 +43,18 @@ def rng_state() -> dict:
     return state
 
 
-def read_rng_state(tag_dir: str) -> Optional[dict]:
+def read_rng_state(tag_dir: str, group=None) -> Optional[dict]:
     """The RNG states saved in ``tag_dir`` (None when absent), read to the CPU: RNG states are CPU
     ByteTensors, CUDA ones included (``torch.cuda.set_rng_state`` takes a CPU tensor)."""
-    path = rng_file(tag_dir)
+    path = rng_file(tag_dir, group)
     return load_file(path, "RNG state file", map_location="cpu") if os.path.isfile(path) else None
 
 
-def apply_rng_state(state: Optional[dict], tag_dir: str) -> None:
+def apply_rng_state(state: Optional[dict], tag_dir: str, group=None) -> None:
     """Restore the global RNG streams read from ``tag_dir`` (None: the file was absent, warned)."""
     if state is None:
         log.warning("%s is absent (older checkpoint, or another world size): the global torch/numpy/python "
-                    "RNG streams are not restored", rng_file(tag_dir))
+                    "RNG streams are not restored", rng_file(tag_dir, group))
         return
     import numpy as np
     torch.set_rng_state(state["torch"])
@@ -65,6 +66,6 @@ def apply_rng_state(state: Optional[dict], tag_dir: str) -> None:
         saved, here = len(state["cuda"]), torch.cuda.device_count()
         if saved != here:
             log.warning("%s holds CUDA RNG states of %d device(s), this process sees %d: the first %d are "
-                        "restored", rng_file(tag_dir), saved, here, min(saved, here))
+                        "restored", rng_file(tag_dir, group), saved, here, min(saved, here))
         for index, cuda_state in enumerate(state["cuda"][:here]):
             torch.cuda.set_rng_state(cuda_state.cpu(), index)

@@ -21,12 +21,13 @@ from ds_xc import config as cfg
 from ds_xc.engine.core import XCEngine
 from ds_xc.head import ClassParallelHead, build_head_optimizer
 from ds_xc.parallel.agree import agree, all_or_none
-from ds_xc.parallel.groups import group_size, new_group, set_comm_timeout
+from ds_xc.parallel.groups import copy_subgroups, group_size, resolve_group, set_comm_timeout
 from ds_xc.peers import gather_peers
 
 log = logging.getLogger(__name__)
 
-__all__ = ["initialize", "init_distributed", "check_supported", "load_raw_config", "cpu_friendly_deepspeed"]
+__all__ = ["initialize", "init_distributed", "check_supported", "load_raw_config", "cpu_friendly_deepspeed",
+           "engine_group"]
 
 
 def load_raw_config(config=None, args=None) -> dict:
@@ -112,7 +113,7 @@ def _agreed_config(raw: dict, head_group) -> cfg.XCConfig:
 
     A config that is invalid on one rank only, or differs between ranks, is an error on every
     rank (naming the keys and the ranks' values) instead of a hang in DeepSpeed's first collective."""
-    world = dist.group.WORLD
+    world = dist.group.WORLD  # deepspeed.initialize is collective over the world: every rank checks first
     with all_or_none("checking the DeepSpeed config", world):
         check_supported(raw)
         xc_config = cfg.parse_config(raw)
@@ -131,7 +132,12 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
 
     ``config`` is the whole DeepSpeed config (dict or path; or pass ``args.deepspeed_config``);
     its ``extreme_classification`` section describes the head. ``head_group`` is the group
-    the classes are sharded over (default: the world).
+    the classes are sharded over (a ProcessGroup or 1-D DeviceMesh; default: the world).
+    Collective over the world (as ``deepspeed.initialize``): the groups ds_xc adds (the
+    non-finite verdict's, the overlap schedule's) are created by every rank
+    (``ds_xc.parallel.groups.copy_subgroups``). The backbone's reduction (compression,
+    buckets), the verdict, the checkpoint agreement and the peers use the engine's own
+    data-parallel group (:func:`engine_group`), passed explicitly.
     """
     raw = load_raw_config(config, args)
     deepspeed = cpu_friendly_deepspeed()
@@ -139,6 +145,7 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
         check_supported(raw)
         cfg.parse_config(raw)
         init_distributed()  # a plain `python script.py` becomes a one-process group
+    head_group = resolve_group(head_group)  # None: the world, named explicitly
     xc_config = _agreed_config(raw, head_group)
     if model_parameters is None:
         model_parameters = [p for p in model.parameters() if p.requires_grad]
@@ -150,18 +157,18 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
     head = ClassParallelHead.from_config(xc_config.extreme_classification, group=head_group,
                                          device=engine.device)
     head_optimizer = build_head_optimizer(head, xc_config.extreme_classification.optimizer)
+    dp_group = engine_group(engine)
     compression = None
     if xc_config.gradient_compression is not None and xc_config.gradient_compression.enabled:
         from ds_xc.compression import attach_to_engine  # takes over the backbone's reduction
-        compression = attach_to_engine(engine, xc_config.gradient_compression)
+        compression = attach_to_engine(engine, xc_config.gradient_compression, group=dp_group)
     schedule = reducer = None
     if xc_config.extreme_classification.overlap.enabled:
         from ds_xc.overlap.run import build_overlap
-        schedule, reducer = build_overlap(engine, head, xc_config.extreme_classification.overlap, compression)
-    flag_group = None
-    if dist.get_world_size() > 1:  # a group of its own: the verdict does not queue behind gradient buckets
-        flag_group = new_group(backend="gloo")
-    peers = gather_peers()
+        schedule, reducer = build_overlap(engine, head, xc_config.extreme_classification.overlap, compression,
+                                          head_comm_group=copy_subgroups(head_group))
+    flag_group = copy_subgroups(dp_group, backend="gloo")  # its own group: the verdict never queues behind buckets
+    peers = gather_peers(dp_group)
     log.info("ds_xc: engine ready (ZeRO stage %d, bf16=%s), head shard %s", engine.zero_optimization_stage(),
              engine.bfloat16_enabled(), head.extra_repr())
     xc = XCEngine(engine=engine, head=head, head_optimizer=head_optimizer, config=xc_config,
@@ -170,6 +177,16 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
     _mark_phase(xc, engine, "allreduce_gradients", "gradient reduction")  # DeepSpeed's, inside engine.backward
     _mark_phase(xc, head.sampler, "rebuild", "index rebuild")  # ANN index / kNN graph, inside the forward
     return xc
+
+
+def engine_group(engine):
+    """The DeepSpeed engine's data-parallel group, as a ProcessGroup: the one it averages the backbone's
+    gradients over (``engine.seq_data_parallel_group``, else ``engine.data_parallel_group``: the world
+    unless an ``mpu`` or sequence parallelism was given)."""
+    group = getattr(engine, "seq_data_parallel_group", None) or getattr(engine, "data_parallel_group", None)
+    if group is None:  # an engine without one (older DeepSpeed, a test double): DeepSpeed's default, the world
+        group = dist.group.WORLD
+    return resolve_group(group)
 
 
 def _mark_phase(xc: XCEngine, obj, method: str, phase: str) -> None:

@@ -29,8 +29,8 @@ from ds_xc.head.checks import BAD_INPUT, Verdict, decide, fill_verdict, local_pr
 from ds_xc.head.margins import TargetLoss, build_loss
 from ds_xc.head.partition import shard_range
 from ds_xc.head.softmax import sharded_margin_loss
-from ds_xc.parallel.collectives import all_gather_no_grad, all_gather_rows, exchange_sizes, merge_topk
-from ds_xc.parallel.groups import group_rank, group_size, is_distributed
+from ds_xc.parallel.collectives import all_gather_no_grad, all_gather_rows, exchange_sizes, merge_topk, replicated_rows
+from ds_xc.parallel.groups import group_rank, group_size, is_distributed, resolve_group
 from ds_xc.sampling import ActiveSet, build_sampler
 from ds_xc.head.softmax_backend import SOFTMAX_BACKENDS
 
@@ -41,6 +41,7 @@ __all__ = ["ClassParallelHead", "init_shard"]
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 UPDATES = ("dense", "lazy", "frozen", "lazy_exact")  # extreme_classification.optimizer.update
 _INIT_BLOCK = 1 << 16  # rows per init block: the init of a class does not depend on the world size
+INPUT_PARALLEL = ("data", "replicated")  # extreme_classification.input_parallel
 
 
 def init_shard(num_classes: int, dim: int, start: int, count: int, std: float, seed: int,
@@ -71,7 +72,8 @@ class ClassParallelHead(nn.Module):
         num_classes: C, split over ``group`` as ``C // P + (rank < C % P)`` contiguous rows.
         loss: a loss config (dict, model or name: softmax | cosface | arcface | combined | dsoftmax).
         sampler: a sampler config (dict, model or name: full | uniform).
-        group: the process group the classes are sharded over (None: world, or one process).
+        group: the process group the classes are sharded over (a ProcessGroup or 1-D DeviceMesh;
+            None: the world, or one process).
         chunk_size: rows of the global batch per logits chunk (0: one chunk).
         dtype, init_std, seed: weight dtype and init; init is per class, independent of P.
         update: "dense" (dense weight gradients) or "lazy" / "frozen" / "lazy_exact" (sparse
@@ -88,13 +90,18 @@ class ClassParallelHead(nn.Module):
             weights nor the sampler; XCEngine, whose config default is "skip", then skips the step).
         softmax_backend: "torch" | "triton" | "auto", the implementation of the exact fused
             softmax (ds_xc/head/softmax_backend.py; extreme_classification.softmax_backend).
+        input_parallel: "data" (each rank passes its own rows: they are all-gathered, and the
+            embedding gradient reduce-scattered) or "replicated" (every rank of ``group`` passes
+            the same rows, as under tensor parallelism: no gather, the loss is the mean over the
+            given rows, and every rank gets the full gradient with respect to them, the partial
+            gradients all-reduced over ``group``). Every sampler works on either.
     """
 
     def __init__(self, embedding_dim: int, num_classes: int, loss="softmax", sampler="full",
                  group=None, chunk_size: int = 0, dtype: Union[str, torch.dtype] = torch.float32,
                  init_std: float = 0.01, seed: int = 0, update: str = "dense",
                  check_inputs: bool = True, nonfinite: str = "raise", device=None,
-                 softmax_backend: str = "torch", check_interval: int = 1):
+                 softmax_backend: str = "torch", check_interval: int = 1, input_parallel: str = "data"):
         super().__init__()
         if isinstance(dtype, str):
             if dtype not in _DTYPES:
@@ -105,7 +112,7 @@ class ClassParallelHead(nn.Module):
                                   f"{', '.join(map(repr, UPDATES))}")
         if chunk_size < 0:
             raise cfg.ConfigError(f"{cfg.HEAD_SECTION}.chunk_size: got {chunk_size}; must be >= 0")
-        self.group = group
+        self.group = resolve_group(group)  # None: the world, named explicitly
         self.rank, self.world_size = group_rank(group), group_size(group)
         self.embedding_dim, self.num_classes = int(embedding_dim), int(num_classes)
         self.class_start, self.num_local = shard_range(self.num_classes, self.world_size, self.rank)
@@ -118,6 +125,10 @@ class ClassParallelHead(nn.Module):
             raise cfg.ConfigError(f"{cfg.HEAD_SECTION}.softmax_backend: got {softmax_backend!r}; "
                                   f"allowed: {', '.join(map(repr, SOFTMAX_BACKENDS))}")
         self.softmax_backend = softmax_backend
+        if input_parallel not in INPUT_PARALLEL:
+            raise cfg.ConfigError(f"{cfg.HEAD_SECTION}.input_parallel: got {input_parallel!r}; allowed: "
+                                  f"{', '.join(map(repr, INPUT_PARALLEL))}")
+        self.input_parallel = input_parallel
         self.nonfinite, self.nonfinite_inputs = nonfinite, 0  # policy; steps whose input was non-finite
         if int(check_interval) < 1:
             raise cfg.ConfigError(f"{cfg.HEAD_SECTION}.check_interval: got {check_interval}; must be >= 1")
@@ -144,12 +155,14 @@ class ClassParallelHead(nn.Module):
         return cls(c.embedding_dim, c.num_classes, loss=c.loss, sampler=c.sampler, group=group,
                    chunk_size=c.chunk_size, dtype=c.dtype, init_std=c.init_std, seed=c.seed,
                    update=c.optimizer.update, check_inputs=c.check_inputs, nonfinite=c.nonfinite, device=device,
-                   softmax_backend=c.softmax_backend, check_interval=c.check_interval)
+                   softmax_backend=c.softmax_backend, check_interval=c.check_interval,
+                   input_parallel=c.input_parallel)
 
     def extra_repr(self) -> str:
         return (f"embedding_dim={self.embedding_dim}, num_classes={self.num_classes}, "
                 f"shard=[{self.class_start}, {self.class_start + self.num_local}), rank={self.rank}/"
-                f"{self.world_size}, sampler={self.sampler_config.type}, update={self.update}")
+                f"{self.world_size}, sampler={self.sampler_config.type}, update={self.update}"
+                + (", input_parallel=replicated" if self.input_parallel == "replicated" else ""))
 
     # ------------------------------------------------------------------ checks
     def check_batch(self, embeddings: Optional[torch.Tensor], labels: torch.Tensor,
@@ -189,7 +202,7 @@ class ClassParallelHead(nn.Module):
             if int(batch_sizes[self.rank]) != rows:
                 raise ValueError(f"batch_sizes {list(batch_sizes)} gives rank {self.rank} {batch_sizes[self.rank]} "
                                  f"rows, it passed {rows}")
-            return Verdict([int(b) for b in batch_sizes], labels_checked=False)
+            return self._replicated_sizes(Verdict([int(b) for b in batch_sizes], labels_checked=False))
         table = torch.zeros((self.world_size, 5), dtype=torch.int64, device=self.weight.device)
         table[self.rank, 1] = rows
         if error is not None:
@@ -202,7 +215,16 @@ class ClassParallelHead(nn.Module):
             dist.all_reduce(table, op=dist.ReduceOp.SUM, group=self.group)
         rows_of = table.tolist()  # the one host sync of the check
         self._unchecked_bad = None
-        return decide(self, rows_of, error, batch_sizes, full)
+        return self._replicated_sizes(decide(self, rows_of, error, batch_sizes, full))
+
+    def _replicated_sizes(self, verdict: Optional[Verdict]) -> Optional[Verdict]:
+        """With ``input_parallel="replicated"`` every rank must pass the same number of rows (the
+        sizes are the same list on every rank, so every rank raises alike)."""
+        if verdict is not None and self.input_parallel == "replicated" and len(set(verdict.sizes)) > 1:
+            raise ValueError(f"{cfg.HEAD_SECTION}.input_parallel='replicated': every rank of the head's group must "
+                             f"pass the same rows, got row counts {verdict.sizes} (this is rank {self.rank}); use "
+                             "input_parallel='data' for per-rank batches")
+        return verdict
 
     def flag_unchecked(self, loss: torch.Tensor, y: torch.Tensor, verdict: Verdict) -> torch.Tensor:
         """An unchecked step (no exchange) never trains silently on out-of-range labels: they are
@@ -218,7 +240,8 @@ class ClassParallelHead(nn.Module):
     # ------------------------------------------------------------------ forward
     def gather(self, embeddings: torch.Tensor, labels: torch.Tensor,
                batch_sizes: Optional[Sequence[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """All-gather embeddings (differentiable) and labels: (B, d), (B,) -> (N, d), (N,).
+        """All-gather embeddings (differentiable) and labels: (B, d), (B,) -> (N, d), (N,); with
+        ``input_parallel="replicated"`` the rows as they are (N = B), their gradient all-reduced.
 
         ``batch_sizes``: every rank's B (None: all equal to this rank's). The embedding
         gradient is scaled by P: each rank receives P * d(global mean)/d(its rows), so that
@@ -226,6 +249,8 @@ class ClassParallelHead(nn.Module):
         every sample weighs the same whatever its rank's batch size (equal batches: the
         gradient of the local mean, as before).
         """
+        if self.input_parallel == "replicated":  # the rows are the global batch already: (B, d), (B,)
+            return replicated_rows(embeddings, self.group), labels.to(torch.int64)
         sizes = None if batch_sizes is None or len(set(batch_sizes)) <= 1 else list(batch_sizes)
         x = all_gather_rows(embeddings, self.group, sizes, grad_scale=float(self.world_size))
         y = all_gather_no_grad(labels.to(torch.int64), self.group, sizes)
@@ -316,9 +341,13 @@ class ClassParallelHead(nn.Module):
         if batch_sizes is not None and [int(b) for b in batch_sizes] != sizes:
             raise ValueError(f"topk: batch_sizes {list(batch_sizes)} do not match the rows the ranks passed, "
                              f"{sizes} (this is rank {self.rank})")
+        replicated = self.input_parallel == "replicated"
+        if replicated:
+            self._replicated_sizes(Verdict(sizes, labels_checked=False))
         uneven = sizes if len(set(sizes)) > 1 else None
         self.catch_up()
-        x = all_gather_no_grad(embeddings, self.group, uneven).to(self.weight.dtype)  # (N, d)
+        x = embeddings if replicated else all_gather_no_grad(embeddings, self.group, uneven)
+        x = x.to(self.weight.dtype)  # (N, d); replicated: N = B
         w = self.weight
         if self.loss_fn.normalised:
             w = F.normalize(w.float(), dim=1).to(w.dtype)
@@ -332,6 +361,8 @@ class ClassParallelHead(nn.Module):
             v, i = torch.topk((x[a: a + step] @ w.t()).float(), kl, dim=1)  # (n, kl)
             vals[a: a + step, :kl], ids[a: a + step, :kl] = v, i + self.class_start
         ids = merge_topk(vals, ids, k, self.group)  # (N, k); k <= C real candidates: never a pad
+        if replicated:
+            return ids
         start = sum(sizes[: self.rank])
         return ids[start: start + sizes[self.rank]]
 

@@ -39,11 +39,15 @@ def check_overlap(overlap, zero_stage: int, bf16: bool) -> None:
                           "the bf16 wrapper reduce their own buffers); set overlap_grad_reduce=false")
 
 
-def build_overlap(engine, head, overlap, compression=None):
-    """(ChunkedHeadSchedule, BucketedGradReducer or None) for an engine and its head."""
+def build_overlap(engine, head, overlap, compression=None, head_comm_group=None):
+    """(ChunkedHeadSchedule, BucketedGradReducer or None) for an engine and its head.
+
+    ``head_comm_group``: the schedule's copy of the head's group (default: built by the
+    schedule, which needs the head's group to span the world; ``initialize`` passes one made
+    by every rank with ``copy_subgroups``)."""
     check_overlap(overlap, int(engine.zero_optimization_stage()), bool(engine.bfloat16_enabled()))
     timeline = Timeline(head.weight.device)
-    schedule = ChunkedHeadSchedule(head, overlap.num_chunks, timeline=timeline)
+    schedule = ChunkedHeadSchedule(head, overlap.num_chunks, timeline=timeline, comm_group=head_comm_group)
     reducer = None
     if overlap.overlap_grad_reduce:
         params = [p for p in engine.module.parameters() if p.requires_grad]

@@ -73,6 +73,9 @@ class ChunkedHeadSchedule:
                  comm_group=None):
         if num_chunks < 1:
             raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")
+        if head.input_parallel != "data":  # nothing to overlap: the replicated head has no gather
+            raise ValueError(f"ChunkedHeadSchedule: the head has input_parallel={head.input_parallel!r}; the overlap "
+                             "schedule hides the gathers and reduce-scatters of input_parallel='data' only")
         self.head, self.num_chunks, self.overlap = head, int(num_chunks), bool(overlap)
         self.timeline = timeline if timeline is not None else Timeline(head.weight.device)
         self.comm_group = comm_group if comm_group is not None else side_group(head.group)

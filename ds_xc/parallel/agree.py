@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ds_xc.parallel.collectives import gather_flat
-from ds_xc.parallel.groups import group_rank, group_size, is_distributed
+from ds_xc.parallel.groups import group_rank, group_ranks, group_size, is_distributed, resolve_group
 
 __all__ = ["agree", "all_or_none", "agree_outcome", "DisagreementError", "fingerprint"]
 
@@ -82,9 +82,7 @@ def _device(group) -> torch.device:
 
 
 def _global_ranks(group) -> list[int]:
-    if group is None:
-        return list(range(dist.get_world_size()))
-    return [dist.get_global_rank(group, r) for r in range(group_size(group))]
+    return group_ranks(group)
 
 
 def _gather_objects(obj: Any, group) -> list:
@@ -132,6 +130,7 @@ def agree(value: Any, what: str, group) -> Any:
     (save_checkpoint tag=)"``). One all-gather of an int64 per call, plus an object gather
     only when the values differ.
     """
+    group = resolve_group(group)  # None: the world, named explicitly from here on
     if not is_distributed(group):
         return value
     mine = torch.tensor([fingerprint(value)], dtype=torch.int64, device=_device(group))
@@ -166,6 +165,7 @@ def agree_outcome(error: Optional[BaseException], what: str, group) -> None:
 
     One scalar all-reduce when every rank succeeded; the messages are gathered only on failure.
     """
+    group = resolve_group(group)  # None: the world, named explicitly from here on
     if not is_distributed(group):
         if error is not None:
             raise error

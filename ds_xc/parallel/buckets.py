@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from ds_xc.parallel.collectives import all_reduce_mean_
-from ds_xc.parallel.groups import copy_group, group_size, is_distributed
+from ds_xc.parallel.groups import copy_group, group_size, is_distributed, resolve_group
 from ds_xc.parallel.timeline import Timeline, wait_work
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,7 @@ class BucketedGradReducer:
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("BucketedGradReducer: no parameters with requires_grad=True")
+        group = resolve_group(group)  # None: the world, named explicitly
         self.world = group_size(group)
         self.active = is_distributed(group)
         self.comm_group = comm_group if comm_group is not None else copy_group(group)

@@ -3,8 +3,10 @@
 ``all_gather_rows``      forward: all-gather of row blocks; backward: reduce-scatter (sum),
                          times ``grad_scale``.
 ``all_gather_no_grad``   all-gather of row blocks without autograd (labels).
+``replicated_rows``      forward: identity (rows already identical on every rank); backward:
+                         all-reduce (sum) of the partial gradients.
 
-Both return early when the group has one rank. gloo's all_gather needs equal sizes, so
+All return early when the group has one rank. gloo's all_gather needs equal sizes, so
 blocks of different lengths are padded to the longest one; the row counts must then be
 passed in (``sizes``), which keeps the collectives free of host synchronisation. That
 padding rule lives in one place, :class:`PaddedGather` and :class:`PaddedReduceScatter`
@@ -21,8 +23,9 @@ import torch.distributed as dist
 
 from ds_xc.parallel.groups import group_rank, group_size, is_distributed
 
-__all__ = ["all_gather_rows", "all_gather_no_grad", "exchange_sizes", "gather_flat", "reduce_scatter_flat",
-           "PaddedGather", "PaddedReduceScatter", "gather_stacked", "merge_topk", "all_reduce_mean_", "PendingMean"]
+__all__ = ["all_gather_rows", "all_gather_no_grad", "replicated_rows", "exchange_sizes", "gather_flat",
+           "reduce_scatter_flat", "PaddedGather", "PaddedReduceScatter", "gather_stacked", "merge_topk",
+           "all_reduce_mean_", "PendingMean"]
 
 # torch 2.13 renamed the flat-tensor collectives; keep older torch (>= 2.4) working too
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -192,6 +195,32 @@ def all_gather_no_grad(x: torch.Tensor, group=None, sizes: Optional[Sequence[int
         return x
     with torch.no_grad():
         return PaddedGather(x.detach(), group, sizes).result()
+
+
+class _ReplicatedRows(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the group (every rank gets the same sum)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()  # all_reduce works in place
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None
+
+
+def replicated_rows(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Rows that are identical on every rank of ``group`` (tensor parallelism), used as they are.
+
+    Each rank's loss depends on them through its own shard only, so its gradient is partial;
+    the backward all-reduces (sums) it, so every rank receives the full gradient with respect
+    to the shared rows: (B, d) -> (B, d), no copy in the forward."""
+    if not is_distributed(group):
+        return x
+    return _ReplicatedRows.apply(x, group)
 
 
 class _ScaleGrad(torch.autograd.Function):

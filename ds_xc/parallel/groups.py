@@ -1,8 +1,16 @@
-"""Rank and size of an explicit process group, with a single-process fallback.
+"""Rank and size of an explicit process group, with a single-process fallback; creating groups.
 
-Every ds_xc component takes ``group`` as an argument. ``None`` means the default (world)
-group when torch.distributed is initialised, and a single process otherwise, so the
-same code runs in a notebook and under the DeepSpeed launcher.
+Every ds_xc component takes ``group`` as an argument: a ``ProcessGroup`` or a 1-D torch
+``DeviceMesh`` (:func:`resolve_group`). ``None`` means the default (world) group when
+torch.distributed is initialised, and a single process otherwise, so the same code runs
+in a notebook and under the DeepSpeed launcher; components resolve it once, when built,
+and pass the group they hold to every collective.
+
+Creating a group is collective over the whole world in torch (``dist.new_group``: every
+rank enters it, in the same order, member or not). :func:`new_groups` creates a set of
+groups with every rank passing the full set; :func:`copy_group` copies a group that spans
+the world, and refuses a proper subgroup (only its members would call it): build the
+copies of every subgroup with :func:`new_groups` on every rank and pass them in.
 """
 from __future__ import annotations
 
@@ -15,21 +23,21 @@ ProcessGroup = Optional["dist.ProcessGroup"]
 
 def is_distributed(group: ProcessGroup = None) -> bool:
     """True when collectives on ``group`` involve more than one process."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(resolve_group(group)) > 1
 
 
 def group_size(group: ProcessGroup = None) -> int:
     """Number of ranks in ``group`` (1 without torch.distributed)."""
     if not (dist.is_available() and dist.is_initialized()):
         return 1
-    return dist.get_world_size(group)
+    return dist.get_world_size(resolve_group(group))
 
 
 def group_rank(group: ProcessGroup = None) -> int:
     """This process's rank inside ``group`` (0 without torch.distributed)."""
     if not (dist.is_available() and dist.is_initialized()):
         return 0
-    return dist.get_rank(group)
+    return dist.get_rank(resolve_group(group))
 
 
 _COMM_TIMEOUT_S: list = [None]  # set by ds_xc.init_distributed (or set_comm_timeout); None: torch's default
@@ -51,23 +59,105 @@ def new_group(ranks=None, backend=None):
     return dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
 
 
+def resolve_group(group=None):
+    """The ``ProcessGroup`` that ``group`` names: a ProcessGroup as it is, a 1-D ``DeviceMesh`` its
+    group, None the world group when torch.distributed is initialised (None otherwise: one process)."""
+    if group is None:
+        return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    if hasattr(group, "get_group") and hasattr(group, "mesh"):  # torch.distributed.device_mesh.DeviceMesh
+        if group.ndim != 1:
+            raise ValueError(f"group: a DeviceMesh of {group.ndim} dimensions {tuple(group.mesh.shape)} "
+                             "names several groups; pass one dimension, e.g. mesh['tp']")
+        return group.get_group()
+    return group
+
+
+def group_ranks(group=None) -> list[int]:
+    """The world ranks of ``group``'s members in group-rank order ([0] without torch.distributed)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [0]
+    return list(dist.get_process_group_ranks(resolve_group(group)))
+
+
+def spans_world(group=None) -> bool:
+    """True when ``group`` holds every rank of the world (so its members are all the ranks)."""
+    return not (dist.is_available() and dist.is_initialized()) or \
+        group_size(resolve_group(group)) == dist.get_world_size(dist.group.WORLD)
+
+
+def new_groups(rank_lists, backend=None) -> ProcessGroup:
+    """Create one process group per list of world ranks and return the one holding this rank
+    (None when it is in none, e.g. an idle rank).
+
+    Collective over the world: every rank calls it with the same ``rank_lists`` (the full set,
+    disjoint lists), because torch requires every rank to enter each ``dist.new_group``, in the
+    same order. E.g. on 4 ranks ``new_groups([[0, 1], [2, 3]])`` gives ranks 0 and 1 one group
+    and ranks 2 and 3 another."""
+    lists = [sorted(int(r) for r in ranks) for ranks in rank_lists]
+    flat = [r for ranks in lists for r in ranks]
+    if len(flat) != len(set(flat)) or any(not ranks for ranks in lists):
+        raise ValueError(f"new_groups: rank_lists={rank_lists!r} must be non-empty, disjoint lists of world ranks")
+    if not (dist.is_available() and dist.is_initialized()):
+        if lists != [[0]]:
+            raise ValueError(f"new_groups: rank_lists={rank_lists!r} without torch.distributed: only [[0]] exists")
+        return None
+    world, me = dist.get_world_size(dist.group.WORLD), dist.get_rank(dist.group.WORLD)
+    if flat and (min(flat) < 0 or max(flat) >= world):
+        raise ValueError(f"new_groups: rank_lists={rank_lists!r} name ranks outside the world [0, {world})")
+    mine = None
+    for ranks in lists:  # every rank creates every group, in the same order
+        g = new_group(ranks=ranks, backend=backend)
+        if me in ranks:
+            mine = g
+    return mine
+
+
+def copy_subgroups(group, backend=None) -> ProcessGroup:
+    """A copy of this rank's ``group`` (a new group with the same ranks), where the ranks may hold
+    different subgroups of the world (or none: pass ``group=None`` on a rank in no group).
+
+    Collective over the world: every rank calls it. The ranks' groups are gathered (one
+    object all-gather over the world: creating groups involves every rank of the world in
+    torch anyway), and every distinct group is created on every rank in the same order
+    (:func:`new_groups`). Returns None on a rank in no group or in a one-rank group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    mine = None if group is None else tuple(group_ranks(group))
+    world = dist.group.WORLD  # group creation is collective over the world in torch
+    every: list = [None] * dist.get_world_size(world)
+    dist.all_gather_object(every, mine, group=world)
+    distinct = sorted({ranks for ranks in every if ranks is not None and len(ranks) > 1})
+    copy = new_groups([list(ranks) for ranks in distinct], backend=backend) if distinct else None
+    return copy if mine is not None and len(mine) > 1 else None
+
+
 def world_rank_and_size() -> tuple[int, int]:
     """(rank, size) of this process in the world; (0, 1) without torch.distributed.
 
-    For naming per-rank files (RNG states, manifest shares) and for messages only: a
-    collective still takes its explicit group."""
+    For messages only (which process this is): a collective, a per-rank file and a rank-0
+    decision take the rank in their explicit group."""
     if not (dist.is_available() and dist.is_initialized()):
         return 0, 1
-    return dist.get_rank(), dist.get_world_size()
+    world = dist.group.WORLD  # the world on purpose: names and messages, never a collective
+    return dist.get_rank(world), dist.get_world_size(world)
 
 
-def copy_group(group: ProcessGroup = None):
+def copy_group(group: ProcessGroup = None, backend=None):
     """A new process group with the same ranks as ``group`` (None: the world), on the same
-    backend and with the timeout of :func:`set_comm_timeout`; None in a single process.
+    backend (or ``backend``) and with the timeout of :func:`set_comm_timeout`; None when
+    ``group`` has one rank.
 
-    Traffic on the copy never queues behind collectives on ``group`` (collective: every
-    rank calls it)."""
+    Traffic on the copy never queues behind collectives on ``group``. Collective over the
+    world, so ``group`` must span the world (every rank is a member and calls it); a proper
+    subgroup is refused: create its copy together with its siblings' on every rank
+    (:func:`copy_subgroups` or :func:`new_groups`) and pass it to the component (``comm_group=``)."""
+    group = resolve_group(group)
     if not is_distributed(group):
         return None
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    return new_group(ranks=ranks, backend=dist.get_backend(group))
+    if not spans_world(group):
+        raise ValueError(f"copy_group: the group of world ranks {group_ranks(group)} is a proper subgroup of the "
+                         f"world ({dist.get_world_size(dist.group.WORLD)} ranks); torch creates groups with every "
+                         "rank of the world, so only its members cannot copy it: build the copies of all subgroups "
+                         "on every rank with ds_xc.parallel.groups.copy_subgroups(group) (or new_groups([...])) "
+                         "and pass yours as comm_group=")
+    return new_group(ranks=group_ranks(group), backend=backend or dist.get_backend(group))
