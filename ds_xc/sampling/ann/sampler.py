@@ -69,6 +69,7 @@ class AnnSampler(Sampler):
         """Rebuild the index from ``weight`` now (k-means, lists, every code)."""
         if self.index is None:
             self.index = self._new_index(weight.shape[1])
+        self.read_rows(None)
         self.index.build(weight)
         self.built_at, self.dirty = self.steps, None
         log.info("ANN index of classes [%d, %d) rebuilt at step %d (%d lists)", self.class_start,
@@ -97,8 +98,10 @@ class AnnSampler(Sampler):
                 self._start_background(weight)  # meanwhile the current index is kept up to date
         if c.encode_interval and self.steps % c.encode_interval == 0:
             if self.dense_updates:
+                self.read_rows(None)
                 self.index.refresh(weight)
             elif self.dirty is not None:
+                self.read_rows(self.dirty)
                 self.index.refresh(weight, self.dirty)
             self.dirty = None
 
@@ -109,6 +112,7 @@ class AnnSampler(Sampler):
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds_xc-ann-rebuild")
         fresh = self._new_index(weight.shape[1])
         fresh.projection, fresh.builds = self.index.projection, self.index.builds
+        self.read_rows(None)
         snapshot = weight.detach().clone()
         self._pending, self._snapshot_step, self._changed_since = (
             self._executor.submit(fresh.build, snapshot), self.steps, [])
@@ -124,9 +128,12 @@ class AnnSampler(Sampler):
         self.index, self.built_at = self._pending_index, self._snapshot_step
         changed = self._changed_since + ([self.dirty] if self.dirty is not None else [])
         if self.dense_updates:
+            self.read_rows(None)
             self.index.refresh(weight)
         elif changed:
-            self.index.refresh(weight, torch.unique(torch.cat(changed)))
+            changed = torch.unique(torch.cat(changed))
+            self.read_rows(changed)
+            self.index.refresh(weight, changed)
         self._pending = self._pending_index = None
         self.dirty = None
         log.info("ANN index of classes [%d, %d): background rebuild adopted at step %d", self.class_start,
@@ -139,6 +146,8 @@ class AnnSampler(Sampler):
         k = min(c.top_k, self.num_local)
         if c.rerank:
             cand = self.index.search(queries, c.nprobe, min(c.rerank, self.num_local), c.scan_rows)
+            if self.before_read is not None:  # lazy_exact: the re-ranked rows, current
+                self.read_rows(torch.unique(cand[cand >= 0]))
             return exact_cosine_rerank(queries, weight, cand, k, metric=self.metric)
         return self.index.search(queries, c.nprobe, k, c.scan_rows)
 
