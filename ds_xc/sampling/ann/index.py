@@ -6,7 +6,12 @@ Legend: L rows (classes of the shard), d dim, b code bits, c lists, N queries.
 assigns every row to a list and stores the rows' codes in list order (CSR, the layout of
 ops/hamming.py). ``refresh(weight, rows)`` re-encodes rows whose weights changed, in
 place: list membership stays until the next ``build`` (a row's list is a coarse cell,
-its code is what ranks it). ``search(queries, nprobe, k, scan_rows)`` returns, per query, the
+its code is what ranks it). Once ``refresh`` has been asked for every row (the sampler
+does with dense updates), only rows whose code may have changed are encoded: each row
+keeps the unit vector it was encoded from (float32, L x d x 4 bytes) and a safe radius
+around it inside which no bit can flip (``refresh`` derives it), so a refresh costs
+O(L*d) to check plus the projection of the rows that moved far enough, with exactly the
+codes of encoding all. ``search(queries, nprobe, k, scan_rows)`` returns, per query, the
 k rows of smallest Hamming distance in its nprobe nearest lists (more lists, nearest first,
 until at least scan_rows rows are scanned), and ``rerank`` re-orders a
 longer candidate list by the exact cosine.
@@ -26,7 +31,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ds_xc.sampling.ann.codes import encode, itq_projection, random_projection
+from ds_xc.sampling.ann.codes import encode, encode_with_margins, itq_projection, random_projection
 from ds_xc.sampling.ann.ivf import assign, build_lists, kmeans_sample, spherical_kmeans
 from ds_xc_ops.hamming import hamming_topk_ivf
 
@@ -36,6 +41,8 @@ __all__ = ["AnnIndex", "exact_cosine_rerank"]
 
 _ITQ_SAMPLE = 20000  # rows used to learn the ITQ rotation
 _BUILD_CHUNK = 1 << 15  # rows assigned and encoded at a time by build()
+_REFRESH_CHUNK = 1 << 13  # rows checked (and re-encoded) at a time by refresh()
+_U = 2.0 ** -24  # float32 unit roundoff
 
 
 class AnnIndex:
@@ -53,7 +60,10 @@ class AnnIndex:
         self.projection: Optional[torch.Tensor] = None  # (d, b)
         self.centroids: Optional[torch.Tensor] = None  # (c, d)
         self.list_offsets = self.list_ids = self.list_codes = self.position = None
+        self.encoded_from = self.radius = None  # (L, d) float32 unit rows, (L,) float32: see refresh
+        self.col_norm = 1.0  # the largest column norm of the projection
         self.builds = 0
+        self.last_refresh = (0, 0)  # (rows checked, rows re-encoded) by the last refresh
 
     @property
     def built(self) -> bool:
@@ -91,6 +101,7 @@ class AnnIndex:
             else:
                 self.projection = random_projection(self.dim, self.code_bits, self.seed)
         self.projection = self.projection.to(dev)
+        self.col_norm = float(torch.linalg.vector_norm(self.projection.double(), dim=0).max())
         c = self.num_lists(rows)
         gen = torch.Generator().manual_seed((self.seed + self.builds) % (2**63))
         train = self.unit_rows(weight[kmeans_sample(rows, c, gen).to(dev)])  # (<= 64 c, d) unit rows
@@ -99,10 +110,15 @@ class AnnIndex:
         # argmax of cosines and the signs of projections ignore the row norms).
         lists = torch.empty(rows, dtype=torch.int64, device=dev)
         codes = torch.empty((rows, self.code_bits // 8), dtype=torch.uint8, device=dev)
+        if self.encoded_from is not None:  # tracking (see refresh): for every row of the new build
+            self.encoded_from = torch.empty((rows, self.dim), dtype=torch.float32, device=dev)
+            self.radius = torch.empty(rows, dtype=torch.float32, device=dev)
         for a in range(0, rows, _BUILD_CHUNK):
             u = self.unit_rows(weight[a: a + _BUILD_CHUNK], normalise=False)  # (chunk, d)
             lists[a: a + _BUILD_CHUNK] = assign(u, self.centroids)
-            codes[a: a + _BUILD_CHUNK] = encode(u, self.projection)
+            for b in range(0, u.shape[0], _REFRESH_CHUNK):  # (chunk, b) float projections at a time
+                part = u[b: b + _REFRESH_CHUNK]
+                codes[a + b: a + b + part.shape[0]] = self._encode(part, slice(a + b, a + b + part.shape[0]))
         offsets, ids = build_lists(lists, c)
         self.list_offsets, self.list_ids = offsets, ids
         self.list_codes = codes[ids]  # (L, b/8) in list order
@@ -111,16 +127,61 @@ class AnnIndex:
         self.builds += 1
         log.debug("ANN index built: %d rows, %d lists, %d bits", rows, c, self.code_bits)
 
+    def _encode(self, u: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Codes (R, b/8) of the projected vectors u (R, d) of local rows ``rows`` (ids (R,) or a slice),
+        recording what they were encoded from and their safe radius (see :meth:`refresh`)."""
+        if self.encoded_from is None:  # not tracking: the codes only
+            return encode(u, self.projection)
+        codes, margins = encode_with_margins(u, self.projection)
+        self.encoded_from[rows] = F.normalize(u.float(), dim=1)  # (R, d)
+        self.radius[rows] = margins / self.col_norm * (1.0 - (self.dim + 4) * _U) - (6 * self.dim + 16) * _U
+        return codes
+
     @torch.no_grad()
     def refresh(self, weight: torch.Tensor, rows: Optional[torch.Tensor] = None) -> None:
-        """Re-encode ``rows`` (all when None) from the current weights; lists are kept."""
-        if rows is None:
-            self.list_codes = encode(self.unit_rows(weight, normalise=False), self.projection)[self.list_ids]
+        """Re-encode ``rows`` (all when None) from the current weights; lists are kept.
+
+        Only rows whose code may differ from the stored one are encoded, so the codes are exactly
+        those of encoding every row (tests/test_ann_refresh.py). The criterion: a row was encoded from
+        the vector u (what ``unit_rows`` projects: the raw row for ``cosine``, the augmented row for
+        ``dot``), bit j = [z_j > 0] with z = fl(u P). Signs ignore positive scaling, so compare unit
+        vectors: with û = u/|u| and û' the new one, exactly |û'.p_j - û.p_j| <= |û' - û| |p_j|, and a
+        float32 dot product of length d is within g_d |u| |p_j| of the exact one (g_d ~ d 2^-24). So
+        bit j cannot flip while
+
+            |û' - û| < min_j |z_j| / (|u| max_j |p_j|) - 2 g_d - (normalisation and norm errors),
+
+        the right side is the row's ``radius`` (computed at encoding, with a slack of (6d + 16) 2^-24
+        for the rounding terms: the two dot products, the two normalisations, the norm and the
+        distance), and |û' - û| is checked as |n' - n|, n and n' the float32 unit rows (n stored).
+        Weight decay alone (a rescaling) never re-encodes a row; a row with a projection within the
+        slack of zero is re-encoded whenever it is refreshed. Tracking (the stored rows and radii)
+        starts at the first refresh of every row, which encodes every row; until then, and after
+        loading a state dict (they are not saved), the rows asked for are simply encoded. P's columns are unit vectors (an
+        orthogonal rotation or ITQ's PCA times a rotation), so max_j |p_j| is 1 up to rounding; it is
+        measured anyway. Cost: O(R*d) to check, plus O(R'*d*b) for the R' rows re-encoded.
+        """
+        if rows is not None and rows.numel() == 0:
+            self.last_refresh = (0, 0)
             return
-        if rows.numel() == 0:
-            return
-        self.list_codes[self.position[rows]] = encode(self.unit_rows(weight[rows], normalise=False),
-                                                      self.projection)
+        if self.encoded_from is None and rows is None:  # start tracking: every row is encoded now
+            n = self.list_ids.numel()
+            self.encoded_from = torch.zeros((n, self.dim), dtype=torch.float32, device=self.list_ids.device)
+            self.radius = torch.full((n,), -1.0, dtype=torch.float32, device=self.list_ids.device)
+        ids = torch.arange(weight.shape[0], device=weight.device) if rows is None else rows
+        checked = encoded = 0
+        for a in range(0, ids.numel(), _REFRESH_CHUNK):
+            r = ids[a: a + _REFRESH_CHUNK]  # (R,)
+            u = self.unit_rows(weight[r] if rows is not None else weight[a: a + _REFRESH_CHUNK], normalise=False)
+            if self.encoded_from is None:
+                redo = torch.arange(r.numel(), device=r.device)
+            else:
+                moved = torch.linalg.vector_norm(F.normalize(u, dim=1) - self.encoded_from[r], dim=1)  # (R,)
+                redo = (moved >= self.radius[r]).nonzero().squeeze(1)  # (R',) may have changed code
+            checked, encoded = checked + r.numel(), encoded + redo.numel()
+            if redo.numel():
+                self.list_codes[self.position[r[redo]]] = self._encode(u[redo], r[redo])
+        self.last_refresh = (checked, encoded)
 
     @torch.no_grad()
     def probe(self, unit_queries: torch.Tensor, nprobe: int, scan_rows: int = 0) -> torch.Tensor:
@@ -158,7 +219,8 @@ class AnnIndex:
                                   backend=self.backend, check=False)
         return ids
 
-    _TENSORS = ("projection", "centroids", "list_offsets", "list_ids", "list_codes", "position")
+    _TENSORS = ("projection", "centroids", "list_offsets", "list_ids", "list_codes", "position", "encoded_from",
+                "radius")
 
     def to(self, device) -> AnnIndex:
         """Move every index tensor to ``device`` (in place; dtypes kept: float32 projection and
@@ -185,6 +247,9 @@ class AnnIndex:
         self.projection, self.centroids = move(state["projection"]), move(state["centroids"])
         self.list_offsets, self.list_ids = move(state["list_offsets"]), move(state["list_ids"])
         self.list_codes, self.builds = move(state["list_codes"]), int(state["builds"])
+        self.encoded_from = self.radius = None  # not saved: tracking restarts at the next refresh of every row
+        if self.projection is not None:
+            self.col_norm = float(torch.linalg.vector_norm(self.projection.double(), dim=0).max())
         if self.list_ids is not None:
             self.position = torch.empty_like(self.list_ids)
             self.position[self.list_ids] = torch.arange(self.list_ids.numel(), device=self.list_ids.device)
