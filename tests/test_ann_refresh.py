@@ -24,6 +24,7 @@ def test_refresh_equals_encoding_every_row(metric, rotation):
     w = torch.randn(L, D, generator=g)
     index = AnnIndex(D, 24 if rotation == "itq" else 128, rotation, 0, 4, 3, "torch", metric=metric)
     index.build(w)
+    index.track_max_share = 1.0  # keep tracking whatever share of the rows moves (see the next test)
     assert torch.equal(index.list_codes, _all_codes(index, w)) and index.encoded_from is None
     index.refresh(w)  # the first refresh of every row starts tracking: every row encoded
     assert index.last_refresh == (L, L) and torch.equal(index.list_codes, _all_codes(index, w))
@@ -49,6 +50,26 @@ def test_refresh_equals_encoding_every_row(metric, rotation):
         if step >= 30 and metric == "cosine":  # no momentum left: an inactive row only shrinks, keeps its code
             assert index.last_refresh[1] <= L // 10 + (index.radius < 0).sum()
     assert skipped > 5 * L
+
+
+def test_tracking_pauses_when_most_rows_move_and_restarts():
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(L, D, generator=g)
+    index = AnnIndex(D, 128, "random", 0, 4, 3, "torch")
+    index.build(w)
+    index.retry_every = 3
+    states = []
+    for step in range(12):
+        moving = L if step in (2, 3) else L // 20  # steps 2 and 3 move every row
+        w[:moving] += 0.05 * torch.randn(moving, D, generator=g)
+        index.refresh(w)
+        assert torch.equal(index.list_codes, _all_codes(index, w)), step
+        states.append((index.encoded_from is not None, index.last_refresh[1]))
+    # step 0 starts tracking (all encoded); 1 re-encodes ~5% (+ the rows without a safe radius);
+    # 2: every row moved -> pause; 3, 4: plain encodes; 5 (3 refreshes later): tracking again
+    assert [t for t, _ in states] == [True, True, False, False, False, True] + [True] * 6
+    assert states[0][1] == L and states[1][1] < L // 4 and states[2][1] > L // 2
+    assert states[3][1] == states[4][1] == states[5][1] == L and max(n for _, n in states[6:]) < L // 4
 
 
 def test_radius_is_safe_and_nearly_tight():

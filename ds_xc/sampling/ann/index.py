@@ -48,6 +48,11 @@ _U = 2.0 ** -24  # float32 unit roundoff
 class AnnIndex:
     """Binary codes + inverted file over the rows of one weight shard."""
 
+    # refresh(): when a refresh of every row re-encodes more than this share of them, the safe-radius
+    # check costs more than it saves (measured: benchmarks/results/ann_reencode.md), so tracking stops
+    # (its memory is freed) and restarts after ``retry_every`` further refreshes of every row
+    track_max_share, retry_every = 0.5, 64
+
     def __init__(self, dim: int, code_bits: int, rotation: str = "random", nlist: int = 0,
                  kmeans_iterations: int = 10, seed: int = 0, backend: str = "auto", metric: str = "cosine"):
         if metric not in ("cosine", "dot"):
@@ -64,6 +69,7 @@ class AnnIndex:
         self.col_norm = 1.0  # the largest column norm of the projection
         self.builds = 0
         self.last_refresh = (0, 0)  # (rows checked, rows re-encoded) by the last refresh
+        self._full_refreshes, self._retry_at = 0, 0  # refreshes of every row; when tracking may restart
 
     @property
     def built(self) -> bool:
@@ -157,31 +163,43 @@ class AnnIndex:
         Weight decay alone (a rescaling) never re-encodes a row; a row with a projection within the
         slack of zero is re-encoded whenever it is refreshed. Tracking (the stored rows and radii)
         starts at the first refresh of every row, which encodes every row; until then, and after
-        loading a state dict (they are not saved), the rows asked for are simply encoded. P's columns are unit vectors (an
+        loading a state dict (they are not saved), the rows asked for are simply encoded. When a
+        refresh of every row re-encodes more than ``track_max_share`` of them (rows still moving under
+        momentum), tracking pauses for ``retry_every`` such refreshes. P's columns are unit vectors (an
         orthogonal rotation or ITQ's PCA times a rotation), so max_j |p_j| is 1 up to rounding; it is
         measured anyway. Cost: O(R*d) to check, plus O(R'*d*b) for the R' rows re-encoded.
         """
         if rows is not None and rows.numel() == 0:
             self.last_refresh = (0, 0)
             return
-        if self.encoded_from is None and rows is None:  # start tracking: every row is encoded now
-            n = self.list_ids.numel()
-            self.encoded_from = torch.zeros((n, self.dim), dtype=torch.float32, device=self.list_ids.device)
-            self.radius = torch.full((n,), -1.0, dtype=torch.float32, device=self.list_ids.device)
-        ids = torch.arange(weight.shape[0], device=weight.device) if rows is None else rows
-        checked = encoded = 0
-        for a in range(0, ids.numel(), _REFRESH_CHUNK):
-            r = ids[a: a + _REFRESH_CHUNK]  # (R,)
-            u = self.unit_rows(weight[r] if rows is not None else weight[a: a + _REFRESH_CHUNK], normalise=False)
-            if self.encoded_from is None:
-                redo = torch.arange(r.numel(), device=r.device)
-            else:
-                moved = torch.linalg.vector_norm(F.normalize(u, dim=1) - self.encoded_from[r], dim=1)  # (R,)
-                redo = (moved >= self.radius[r]).nonzero().squeeze(1)  # (R',) may have changed code
-            checked, encoded = checked + r.numel(), encoded + redo.numel()
-            if redo.numel():
-                self.list_codes[self.position[r[redo]]] = self._encode(u[redo], r[redo])
-        self.last_refresh = (checked, encoded)
+        tracked = self.encoded_from is not None
+        if rows is None:
+            self._full_refreshes += 1
+            if not tracked and self._full_refreshes >= self._retry_at:  # (re)start tracking: encode all
+                n = self.list_ids.numel()
+                self.encoded_from = torch.zeros((n, self.dim), dtype=torch.float32, device=self.list_ids.device)
+                self.radius = torch.full((n,), -1.0, dtype=torch.float32, device=self.list_ids.device)
+        total = weight.shape[0] if rows is None else rows.numel()
+        encoded = 0
+        for a in range(0, total, _REFRESH_CHUNK):
+            sel = slice(a, min(a + _REFRESH_CHUNK, total)) if rows is None else rows[a: a + _REFRESH_CHUNK]
+            u = self.unit_rows(weight[sel], normalise=False)  # (R, d)
+            ids = torch.arange(sel.start, sel.stop, device=u.device) if rows is None else sel  # (R,)
+            if self.encoded_from is not None:
+                t = F.normalize(u, dim=1).sub_(self.encoded_from[sel])
+                redo = (torch.linalg.vector_norm(t, dim=1) >= self.radius[sel]).nonzero().squeeze(1)  # (R',)
+                if redo.numel() < ids.numel():  # only the rows that may have changed code
+                    u, ids, sel = u[redo], ids[redo], ids[redo]
+            encoded += ids.numel()
+            if ids.numel():
+                self.list_codes[self.position[ids]] = self._encode(u, sel)
+        self.last_refresh = (total, encoded)
+        if rows is None and tracked and encoded > self.track_max_share * total:
+            # most rows moved: the check costs more than it saves; plain re-encodes for a while
+            self.encoded_from = self.radius = None
+            self._retry_at = self._full_refreshes + self.retry_every
+            log.debug("ANN refresh re-encoded %d of %d rows: tracking paused for %d refreshes", encoded, total,
+                      self.retry_every)
 
     @torch.no_grad()
     def probe(self, unit_queries: torch.Tensor, nprobe: int, scan_rows: int = 0) -> torch.Tensor:
