@@ -75,16 +75,20 @@ def main() -> None:
         rows.append(mine.last_refresh[1])
     wall = time.perf_counter() - wall
     n = len(rows)
-    lines = [f"# ANN index upkeep with update dense: rows re-encoded per step\n",
-             f"`python benchmarks/ann_reencode.py --classes {a.classes} --dim {a.dim} --bits {a.bits} --batch "
-             f"{a.batch} --warmup {a.warmup} --steps {a.steps} --momentum {a.momentum} --sample_rate {a.sample_rate}`; {started}; git {git_rev()}; torch "
-             f"{torch.__version__}; {cpu_model()}; load {load_average()}; {wall:.0f} s wall in all.\n",
+    command = (f"python benchmarks/ann_reencode.py --classes {a.classes} --dim {a.dim} --bits {a.bits} "
+               f"--batch {a.batch} --warmup {a.warmup} --steps {a.steps} --momentum {a.momentum} "
+               f"--sample_rate {a.sample_rate}")
+    mean = sum(rows) / n
+    lines = ["# ANN index upkeep with update dense: rows re-encoded per step\n",
+             f"`{command}`; {started}; git {git_rev()}; torch {torch.__version__}; {cpu_model()}; "
+             f"load {load_average()}; {wall:.0f} s wall in all.\n",
              f"Loss {losses[0]:.3f} at step 0, {sum(losses[-n:]) / n:.3f} over the measured steps.\n",
-             "| L | d | bits | momentum | sample_rate | tracked refreshes | rows re-encoded per step (mean / min / max) | "
-             "share | CPU s per refresh: safe radius | CPU s: encode every row | ratio |",
+             "| L | d | bits | momentum | sample_rate | tracked refreshes | rows re-encoded per step "
+             "(mean / min / max) | share | CPU s per refresh: safe radius | CPU s: encode every row | ratio |",
              "|---|---|---|---|---|---|---|---|---|---|---|",
-             f"| {a.classes} | {a.dim} | {a.bits} | {a.momentum} | {a.sample_rate} | {tracked}/{n} | {sum(rows) / n:.0f} / {min(rows)} / {max(rows)} | "
-             f"{sum(rows) / n / a.classes:.1%} | {t_crit / n:.4f} | {t_all / n:.4f} | {t_all / max(t_crit, 1e-9):.1f}x |",
+             f"| {a.classes} | {a.dim} | {a.bits} | {a.momentum} | {a.sample_rate} | {tracked}/{n} | "
+             f"{mean:.0f} / {min(rows)} / {max(rows)} | {mean / a.classes:.1%} | {t_crit / n:.4f} | "
+             f"{t_all / n:.4f} | {t_all / max(t_crit, 1e-9):.1f}x |",
              "\nCodes after every measured step equal those of encoding every row (checked each step)."]
     text = "\n".join(lines) + "\n"
     print(text)
