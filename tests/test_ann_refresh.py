@@ -127,3 +127,22 @@ def test_dense_ann_head_keeps_exact_codes_and_skips_rows():
     head.sampler.index.refresh(head.weight)
     assert head.sampler.index.last_refresh == (600, 600)
     assert torch.equal(head.sampler.index.list_codes, _all_codes(index, head.weight.detach()))
+
+
+def test_reduced_precision_matmuls_widen_the_slack():
+    """With TF32/bf16 matmuls allowed, the rounding slack grows to 2^-8 units: radii go negative and
+    every refreshed row is re-encoded (still the exact codes)."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(300, D, generator=g)
+    index = AnnIndex(D, 64, "random", 0, 3, 2, "torch")
+    index.build(w)
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        index.refresh(w)
+        assert (index.radius < 0).float().mean() > 0.9
+    finally:
+        torch.set_float32_matmul_precision(before)
+    w[:10] *= 1.5
+    index.refresh(w)
+    assert index.last_refresh[1] > 270 and torch.equal(index.list_codes, _all_codes(index, w))

@@ -45,6 +45,15 @@ _REFRESH_CHUNK = 1 << 13  # rows checked (and re-encoded) at a time by refresh()
 _U = 2.0 ** -24  # float32 unit roundoff
 
 
+def _matmul_roundoff(device: torch.device) -> float:
+    """The unit roundoff of a float32 matmul here: 2^-24, or 2^-8 (covering TF32's 2^-11 and bf16
+    passes) when torch may use reduced precision (``set_float32_matmul_precision`` other than
+    "highest", or TF32 on CUDA); the safe radii are then mostly negative and tracking pauses."""
+    reduced = torch.get_float32_matmul_precision() != "highest"
+    reduced = reduced or (device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32)
+    return 2.0 ** -8 if reduced else _U
+
+
 class AnnIndex:
     """Binary codes + inverted file over the rows of one weight shard."""
 
@@ -139,8 +148,9 @@ class AnnIndex:
         if self.encoded_from is None:  # not tracking: the codes only
             return encode(u, self.projection)
         codes, margins = encode_with_margins(u, self.projection)
+        unit = _matmul_roundoff(u.device)
         self.encoded_from[rows] = F.normalize(u.float(), dim=1)  # (R, d)
-        self.radius[rows] = margins / self.col_norm * (1.0 - (self.dim + 4) * _U) - (6 * self.dim + 16) * _U
+        self.radius[rows] = margins / self.col_norm * (1.0 - (self.dim + 4) * unit) - (6 * self.dim + 16) * unit
         return codes
 
     @torch.no_grad()
