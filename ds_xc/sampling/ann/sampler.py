@@ -17,7 +17,9 @@ and every ``rebuild_interval`` steps (early in training at doubling gaps from
 are re-encoded every ``encode_interval`` steps, right before they are queried: with lazy
 updates the positives and retrieved classes of the last step (``encode_rows: retrieved``,
 the rows with large updates) or its whole active set (``active``); with dense updates
-every row.
+every row whose code may have changed (AnnIndex.refresh: a safe radius per row). Every read
+of the weights goes through ``read_rows`` first, which catches stale rows up under
+``update: lazy_exact`` (the default of sampled heads).
 """
 from __future__ import annotations
 
