@@ -28,7 +28,7 @@ from ds_xc.config_compression import parse_compression
 __all__ = [
     "ConfigError", "LossConfig", "SamplerConfig", "HeadOptimizerConfig", "HeadConfig",
     "TrainConfig", "XCConfig", "parse_config", "parse_loss", "parse_sampler", "HEAD_SECTION", "TRAIN_SECTION",
-    "COMPRESSION_SECTION", "validate_section", "validation_error", "load_raw",
+    "COMPRESSION_SECTION", "validate_section", "validation_error", "load_raw", "UPDATE_MODES", "resolve_update",
 ]
 
 
@@ -182,13 +182,16 @@ class HeadOptimizerConfig(_Section):
     weight_decay: float = Field(5e-4, ge=0.0, le=1.0, description="Weight decay (decoupled for adamw).")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
     eps: float = Field(1e-8, gt=0.0, le=1.0, description="AdamW epsilon.")
-    update: Literal["dense", "lazy", "frozen", "lazy_exact"] = Field(
-        "dense", description="dense: exact dense optimizer semantics; lazy (alias frozen): only the active "
-        "rows (and their optimizer state) are touched each step, O(K*d) per step, inactive rows stay frozen "
-        "(no momentum, no weight decay); lazy_exact: O(K*d) per step too, but a row that becomes active "
-        "is first caught up on the zero-gradient steps it skipped, so the trajectory is the dense one "
-        "(SGD exactly; AdamW up to a relative eps/sqrt(v) on the skipped steps' displacement); "
-        "float32/float64 heads only. See docs/head.md (Exact lazy updates).")
+    update: Literal["auto", "dense", "lazy", "frozen", "lazy_exact"] = Field(
+        "auto", description="auto (the default, resolved when the head is built and logged once): dense for "
+        "the full sampler, lazy_exact for sampled heads (uniform, ann, knn; lazy for bfloat16 heads, which "
+        "lazy_exact does not support). dense: exact dense optimizer semantics, every row every step, O(L*d); "
+        "lazy (alias frozen): only the active rows (and their optimizer state) are touched each step, O(K*d) "
+        "per step, inactive rows stay frozen (no momentum, no weight decay); lazy_exact: O(K*d) per step too, "
+        "but a row that becomes active is first caught up on the zero-gradient steps it skipped, so the "
+        "trajectory is the dense one for the same active sets (SGD exactly; AdamW up to a relative "
+        "eps/sqrt(v) on the skipped steps' displacement); float32/float64 heads only. See docs/head.md "
+        "(Exact lazy updates).")
     bf16_update: Literal["stochastic_rounding", "master_fp32", "plain"] = Field(
         "stochastic_rounding", description="How the head optimizer writes updates into bfloat16 weights "
         "(dtype: bfloat16 only; ignored otherwise). stochastic_rounding: float32 update, stochastically "
@@ -214,6 +217,33 @@ class HeadOptimizerConfig(_Section):
         if self.nesterov and self.momentum == 0.0:
             raise ValueError("nesterov=true needs momentum > 0")
         return self
+
+
+UPDATE_MODES = ("dense", "lazy", "frozen", "lazy_exact")  # what "auto" resolves among
+_EXACT_LAZY_DTYPES = ("float32", "float64")
+
+
+def resolve_update(update: str, sampler_type: str, dtype: str) -> tuple[str, str]:
+    """``extreme_classification.optimizer.update`` as it runs: (mode, why). "auto" is dense for the
+    full sampler (every row is active: a lazy step would touch every row anyway) and lazy_exact for
+    sampled heads (the dense trajectory at O(K*d) per step), lazy for bfloat16 sampled heads (lazy_exact
+    keeps float32/float64 rows only). An explicit mode is kept; lazy_exact with a bfloat16 head is a
+    ConfigError naming the field, the value and what is allowed."""
+    if update not in UPDATE_MODES + ("auto",):
+        raise ConfigError(f"{HEAD_SECTION}.optimizer.update: got {update!r}; allowed: "
+                          f"{', '.join(map(repr, ('auto',) + UPDATE_MODES))}")
+    if update == "lazy_exact" and dtype not in _EXACT_LAZY_DTYPES:
+        raise ConfigError(f"{HEAD_SECTION}.optimizer.update: got 'lazy_exact' with {HEAD_SECTION}.dtype "
+                          f"{dtype!r}; lazy_exact needs dtype {' or '.join(map(repr, _EXACT_LAZY_DTYPES))}; "
+                          f"with {dtype!r} allowed: 'auto', 'dense', 'lazy', 'frozen'")
+    if update != "auto":
+        return update, "set in the config"
+    if sampler_type == "full":
+        return "dense", "auto: the full sampler makes every row active each step"
+    if dtype not in _EXACT_LAZY_DTYPES:
+        return "lazy", (f"auto: sampler {sampler_type!r} with a {dtype} head (lazy_exact keeps float32/float64 "
+                        "rows only): lazy, inactive rows neither decay nor move")
+    return "lazy_exact", f"auto: sampler {sampler_type!r}: the dense trajectory at O(K*d) per step"
 
 
 class OverlapConfig(_Section):
@@ -280,6 +310,14 @@ class HeadConfig(_Section):
         if self.input_parallel == "replicated" and self.overlap.enabled:
             raise ValueError("input_parallel='replicated' with overlap.enabled=true: the overlap pipeline hides the "
                              "gathers of input_parallel='data' (the replicated head has none); disable overlap")
+        return self
+
+    @model_validator(mode="after")
+    def _check_update(self):
+        if self.optimizer.update == "lazy_exact" and self.dtype not in _EXACT_LAZY_DTYPES:
+            raise ValueError(f"optimizer.update='lazy_exact' needs dtype {' or '.join(_EXACT_LAZY_DTYPES)}, "
+                             f"got dtype={self.dtype!r}; with {self.dtype} allowed: 'auto' (resolves to lazy), "
+                             "'dense', 'lazy', 'frozen'")
         return self
 
 

@@ -149,6 +149,8 @@ def _job(ctx, folder, spec, save_dir=None, cfg=None):
 
 # ---------------------------------------------------------------------- replays in the pool
 def _snapshot(xc) -> dict:
+    xc.head_optimizer.catch_up_all()  # update auto = lazy_exact here: every row current, as a save has them
+
     def tensors(sd):
         return {f"{k}.{n}": v.clone() for k, st in sd["state"].items() for n, v in st.items() if torch.is_tensor(v)}
     return {"head": xc.head.weight.detach().clone(), "head_opt": tensors(xc.head_optimizer.state_dict()),
@@ -185,6 +187,8 @@ def _replay(rank, world, raw, ref_dir, fault_dir, tags):
         x, y = data.train_batch(step, micro, rank, world)
         losses.append(xc.forward_backward(x, y).item())
         xc.step()
+        if (step + 1) % SAVE_EVERY == 0:  # launch/train.py saves here; its save catches every row up
+            xc.head_optimizer.catch_up_all()  # (lazy_exact: a catch-up's rounding depends on when it runs)
     final = _snapshot(xc)
     xc.load_checkpoint(ref_dir, tag=f"step{STEPS}")
     return {"start": start, "losses": losses, "final_vs_ref": _differences(final, _snapshot(xc)),

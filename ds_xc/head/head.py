@@ -32,6 +32,7 @@ from ds_xc.head.softmax import sharded_margin_loss
 from ds_xc.parallel.collectives import all_gather_no_grad, all_gather_rows, exchange_sizes, merge_topk, replicated_rows
 from ds_xc.parallel.groups import group_rank, group_size, is_distributed, resolve_group
 from ds_xc.sampling import ActiveSet, build_sampler
+from ds_xc_ops.logs import log_once
 from ds_xc.head.softmax_backend import SOFTMAX_BACKENDS
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,8 @@ log = logging.getLogger(__name__)
 __all__ = ["ClassParallelHead", "init_shard"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-UPDATES = ("dense", "lazy", "frozen", "lazy_exact")  # extreme_classification.optimizer.update
+UPDATES = ("auto",) + cfg.UPDATE_MODES  # extreme_classification.optimizer.update
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _INIT_BLOCK = 1 << 16  # rows per init block: the init of a class does not depend on the world size
 INPUT_PARALLEL = ("data", "replicated")  # extreme_classification.input_parallel
 
@@ -77,9 +79,13 @@ class ClassParallelHead(nn.Module):
         chunk_size: rows of the global batch per logits chunk (0: one chunk).
         dtype, init_std, seed: weight dtype and init; init is per class, independent of P.
         update: "dense" (dense weight gradients) or "lazy" / "frozen" / "lazy_exact" (sparse
-            gradient rows, for the lazy head optimizers; sampled heads then cost O(K*d) per step).
-            With "lazy_exact" the optimizer built by build_head_optimizer sets ``lazy_catch_up``,
-            which forward, topk and rebuild_index call to bring stale rows up to date.
+            gradient rows, for the lazy head optimizers; sampled heads then cost O(K*d) per step),
+            or "auto" (``config.resolve_update``: dense for the full sampler, lazy_exact for sampled
+            heads, lazy for bfloat16 sampled heads; the config's default, logged once). The
+            constructor's default stays "dense": a head built by hand gives dense weight gradients,
+            usable with any torch optimizer. With "lazy_exact" the optimizer built by
+            build_head_optimizer sets ``lazy_catch_up``, which forward, the sampler's reads of the
+            weights, topk, rebuild_index, state_dict and metrics call to bring stale rows up to date.
         check_inputs: validate label range, shapes, devices and finiteness on every rank before
             the collectives (one small all-reduce, and one host sync on GPU, per checked step).
         check_interval: run that full check every N-th call (1: every call). Unchecked calls
@@ -110,6 +116,11 @@ class ClassParallelHead(nn.Module):
         if update not in UPDATES:
             raise cfg.ConfigError(f"{cfg.HEAD_SECTION}.optimizer.update: got {update!r}; allowed: "
                                   f"{', '.join(map(repr, UPDATES))}")
+        sampler_config = cfg.parse_sampler(sampler)
+        requested = update
+        update, why = cfg.resolve_update(update, sampler_config.type, _DTYPE_NAMES.get(dtype, str(dtype)))
+        if requested == "auto":
+            log_once(log, logging.INFO, f"{cfg.HEAD_SECTION}.optimizer.update 'auto' runs {update!r} ({why})")
         if chunk_size < 0:
             raise cfg.ConfigError(f"{cfg.HEAD_SECTION}.chunk_size: got {chunk_size}; must be >= 0")
         self.group = resolve_group(group)  # None: the world, named explicitly
@@ -117,7 +128,7 @@ class ClassParallelHead(nn.Module):
         self.embedding_dim, self.num_classes = int(embedding_dim), int(num_classes)
         self.class_start, self.num_local = shard_range(self.num_classes, self.world_size, self.rank)
         self.loss_fn: TargetLoss = build_loss(loss)
-        self.sampler_config = cfg.parse_sampler(sampler)
+        self.sampler_config = sampler_config
         if nonfinite not in ("skip", "raise"):
             raise cfg.ConfigError(f"{cfg.HEAD_SECTION}.nonfinite: got {nonfinite!r}; allowed: 'skip', 'raise'")
         self.chunk_size, self.update, self.check_inputs = int(chunk_size), update, bool(check_inputs)
@@ -143,6 +154,7 @@ class ClassParallelHead(nn.Module):
         self.sampler.metric = "cosine" if self.loss_fn.normalised else "dot"  # what the logits rank by
         self.last_active: Optional[ActiveSet] = None
         self.lazy_catch_up = None  # update lazy_exact: the optimizer's catch_up(rows or None)
+        self.sampler.before_read = self._catch_up_rows  # the sampler's reads of the weights see current rows
         self.last_metrics: dict = {}
         log.info("ClassParallelHead rank %d/%d: classes [%d, %d) of %d, d=%d, loss=%s, sampler=%s",
                  self.rank, self.world_size, self.class_start, self.class_start + self.num_local,
@@ -297,9 +309,15 @@ class ClassParallelHead(nn.Module):
 
     def catch_up(self) -> None:
         """With update lazy_exact: bring every row of the shard up to date (a no-op otherwise).
-        Call before anything reads the whole shard; topk and rebuild_index do."""
+        Call before anything reads the whole shard; topk, rebuild_index, the sampler's rebuilds and
+        dense re-encodes, the quality metrics and state_dict do."""
         if self.lazy_catch_up is not None:
             self.lazy_catch_up(None)
+
+    def _catch_up_rows(self, rows: Optional[torch.Tensor]) -> None:
+        """The sampler's ``before_read``: local rows (R,) (None: all) up to date before it reads them."""
+        if self.lazy_catch_up is not None:
+            self.lazy_catch_up(rows)
 
     def sampler_stats(self) -> dict:
         """Active-set counts of the last step (active, positives, retrieved, kept, cut, fill,
@@ -316,6 +334,7 @@ class ClassParallelHead(nn.Module):
         if not every or not torch.is_grad_enabled() or steps % every:
             return
         from ds_xc.sampling.metrics import active_set_quality
+        self.catch_up()  # the exact pass reads every row
         self.last_metrics = active_set_quality(
             x, self.weight, self.class_start, active, self.loss_fn.normalised, self.loss_fn.scale,
             getattr(self.sampler, "last_retrieved", None), group=self.group)
@@ -384,7 +403,12 @@ class ClassParallelHead(nn.Module):
                 f"(d={mine[3]}, world size {self.world_size}); reshard the checkpoint to this world size")
         self.sampler.load_state_dict(state["sampler"])
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        self.catch_up()  # lazy_exact: the saved rows (and the checksum of the extra state) are current
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        self.catch_up()  # lazy_exact: no stale row left to be caught up over the loaded weights
         # check the shard's identity before torch reports a bare size mismatch of the weight
         extra = state_dict.get(prefix + "_extra_state")
         if isinstance(extra, dict):

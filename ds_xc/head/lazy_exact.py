@@ -163,6 +163,18 @@ class ExactLazyMixin:
                 if LAST in self.state.get(p, {}):
                     self._exact_trim(self.state[p])
 
+    @staticmethod
+    def exact_state_for_saving(entry: dict) -> dict:
+        """One parameter's saved state: without the counters and the history when every row is current
+        (after :meth:`catch_up_all`, as XCEngine.save_checkpoint does), so the checkpoint holds the state
+        of a dense run, one row per class (export, reshard and other update modes read it as such); a
+        resumed lazy_exact run restarts its counters from there, which is the same as keeping them. With
+        stale rows (a state_dict taken mid-run) everything is kept."""
+        last = entry.get(LAST)
+        if last is None or (last.numel() and int(last.min()) < entry[STEPS]):
+            return entry
+        return {k: v for k, v in entry.items() if k not in (LAST, HIST, STEPS, BASE)}
+
     @torch.no_grad()
     def finish_exact_lazy(self) -> None:
         """For parameters of groups not in lazy_exact mode that still hold its state (a lazy_exact

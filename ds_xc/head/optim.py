@@ -44,7 +44,7 @@ from ds_xc import config as cfg
 from ds_xc.head.bf16 import BF16_UPDATES, round_to_bf16
 from ds_xc.head.lazy_exact import HIST, ExactLazyMixin, adamw_mats, sgd_mats
 
-__all__ = ["HeadSGD", "HeadAdamW", "build_head_optimizer"]
+__all__ = ["HeadSGD", "HeadAdamW", "build_head_optimizer", "resolved_update"]
 
 _BLOCK = 1 << 15  # rows per block of a dense step and of the gathered rows of a lazy step
 
@@ -130,6 +130,7 @@ class _HeadOptimizer(ExactLazyMixin, Optimizer):
 
     def state_dict(self):
         sd = super().state_dict()
+        sd["state"] = {i: self.exact_state_for_saving(entry) for i, entry in sd["state"].items()}
         if self._gen is not None:
             sd["bf16_rng"] = self._gen.get_state()
         return sd
@@ -336,10 +337,24 @@ class HeadAdamW(_HeadOptimizer):
             self._put(p, sel, w)
 
 
+def resolved_update(head, update: str) -> str:
+    """The mode an optimizer with ``update`` runs for ``head``: "auto" follows the head (its resolved
+    ``update``: the gradients it produces), dense for a module without one; lazy_exact is refused for a
+    bfloat16 weight (config.resolve_update's error)."""
+    dtype = str(head.weight.dtype).replace("torch.", "")
+    if update == "auto":
+        update = getattr(head, "update", "dense")
+        update = "dense" if update not in cfg.UPDATE_MODES else update
+    return cfg.resolve_update(update, "full", dtype)[0]
+
+
 def build_head_optimizer(head, section) -> Optimizer:
-    """The head's optimizer from ``extreme_classification.optimizer`` (dict or model)."""
+    """The head's optimizer from ``extreme_classification.optimizer`` (dict or model); ``update: auto``
+    runs the head's mode (ClassParallelHead resolves auto: dense for the full sampler, lazy_exact for
+    sampled heads, lazy for bfloat16 sampled heads)."""
     c = cfg.validate_section(cfg.HeadOptimizerConfig, section, f"{cfg.HEAD_SECTION}.optimizer")
-    lazy, exact = c.update in ("lazy", "frozen"), c.update == "lazy_exact"
+    update = resolved_update(head, c.update)
+    lazy, exact = update in ("lazy", "frozen"), update == "lazy_exact"
     # the rounding stream: per rank (shards must not share bits), reproducible from the head seed
     seed = (1_000_003 * int(getattr(head, "seed", 0)) + 7919 * (int(getattr(head, "rank", 0)) + 1)) % (2**63)
     bf16 = dict(bf16_update=c.bf16_update, seed=seed)

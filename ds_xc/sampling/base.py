@@ -85,6 +85,15 @@ class Sampler:
     """
 
     needs_embeddings = False  # True when the sampler looks at the gathered embeddings
+    # Called with local row ids (R,) or None (every row) before the sampler reads those weight rows
+    # (index or graph builds, re-encodes, re-ranking): the head sets it to its exact-lazy catch-up,
+    # so that with update lazy_exact the sampler never reads a stale row.
+    before_read = None
+
+    def read_rows(self, rows: Optional[torch.Tensor] = None) -> None:
+        """Make weight rows ``rows`` (None: all) current before reading them (``before_read``)."""
+        if self.before_read is not None:
+            self.before_read(rows)
 
     def __init__(self, config, num_local: int, class_start: int, seed: int, rank: int, device=None):
         self.config, self.num_local, self.class_start = config, num_local, class_start

@@ -70,6 +70,7 @@ class KnnSampler(Sampler):
 
     def rebuild(self, weight: torch.Tensor) -> None:
         """Rebuild the neighbour graph from ``weight`` now."""
+        self.read_rows(None)
         c = self.config
         if c.graph == "ann":
             self.graph = knn_graph_ann(weight, c.neighbors, self.graph_seed)

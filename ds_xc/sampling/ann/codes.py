@@ -18,7 +18,7 @@ import torch
 
 from ds_xc_ops.hamming import pack_signs
 
-__all__ = ["random_projection", "itq_projection", "encode", "pack"]
+__all__ = ["random_projection", "itq_projection", "encode", "encode_with_margins", "pack"]
 
 
 def _orthogonal(dim: int, gen: torch.Generator) -> torch.Tensor:
@@ -81,3 +81,14 @@ def encode(x: torch.Tensor, projection: torch.Tensor, chunk: int = 1 << 13) -> t
     for a in range(0, x.shape[0], chunk):
         out[a: a + chunk] = pack(x[a: a + chunk].float() @ p)
     return out
+
+
+def encode_with_margins(x: torch.Tensor, projection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes (n, b // 8) uint8, margins (n,) float32) of the rows of x (n, d) (one chunk: the float
+    projections, n x b, are held). margin = min_j |x.p_j| / |x|, computed from the very float32
+    projections whose signs are the code: how far the unit row is from the nearest sign boundary,
+    in units of the column norms of P (see AnnIndex.refresh for how it bounds a code change)."""
+    z = x.float() @ projection.to(x.device)  # (n, b)
+    norms = torch.linalg.vector_norm(x.float(), dim=1)  # (n,)
+    margins = z.abs().amin(dim=1) / norms.clamp_min(torch.finfo(torch.float32).tiny)
+    return pack(z), torch.where(norms > 0, margins, torch.zeros_like(margins))

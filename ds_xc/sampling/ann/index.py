@@ -6,7 +6,12 @@ Legend: L rows (classes of the shard), d dim, b code bits, c lists, N queries.
 assigns every row to a list and stores the rows' codes in list order (CSR, the layout of
 ops/hamming.py). ``refresh(weight, rows)`` re-encodes rows whose weights changed, in
 place: list membership stays until the next ``build`` (a row's list is a coarse cell,
-its code is what ranks it). ``search(queries, nprobe, k, scan_rows)`` returns, per query, the
+its code is what ranks it). Once ``refresh`` has been asked for every row (the sampler
+does with dense updates), only rows whose code may have changed are encoded: each row
+keeps the unit vector it was encoded from (float32, L x d x 4 bytes) and a safe radius
+around it inside which no bit can flip (``refresh`` derives it), so a refresh costs
+O(L*d) to check plus the projection of the rows that moved far enough, with exactly the
+codes of encoding all. ``search(queries, nprobe, k, scan_rows)`` returns, per query, the
 k rows of smallest Hamming distance in its nprobe nearest lists (more lists, nearest first,
 until at least scan_rows rows are scanned), and ``rerank`` re-orders a
 longer candidate list by the exact cosine.
@@ -26,7 +31,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ds_xc.sampling.ann.codes import encode, itq_projection, random_projection
+from ds_xc.sampling.ann.codes import encode, encode_with_margins, itq_projection, random_projection
 from ds_xc.sampling.ann.ivf import assign, build_lists, kmeans_sample, spherical_kmeans
 from ds_xc_ops.hamming import hamming_topk_ivf
 
@@ -36,10 +41,26 @@ __all__ = ["AnnIndex", "exact_cosine_rerank"]
 
 _ITQ_SAMPLE = 20000  # rows used to learn the ITQ rotation
 _BUILD_CHUNK = 1 << 15  # rows assigned and encoded at a time by build()
+_REFRESH_CHUNK = 1 << 13  # rows checked (and re-encoded) at a time by refresh()
+_U = 2.0 ** -24  # float32 unit roundoff
+
+
+def _matmul_roundoff(device: torch.device) -> float:
+    """The unit roundoff of a float32 matmul here: 2^-24, or 2^-8 (covering TF32's 2^-11 and bf16
+    passes) when torch may use reduced precision (``set_float32_matmul_precision`` other than
+    "highest", or TF32 on CUDA); the safe radii are then mostly negative and tracking pauses."""
+    reduced = torch.get_float32_matmul_precision() != "highest"
+    reduced = reduced or (device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32)
+    return 2.0 ** -8 if reduced else _U
 
 
 class AnnIndex:
     """Binary codes + inverted file over the rows of one weight shard."""
+
+    # refresh(): when a refresh of every row re-encodes more than this share of them, the safe-radius
+    # check costs more than it saves (measured: benchmarks/results/ann_reencode.md), so tracking stops
+    # (its memory is freed) and restarts after ``retry_every`` further refreshes of every row
+    track_max_share, retry_every = 0.5, 64
 
     def __init__(self, dim: int, code_bits: int, rotation: str = "random", nlist: int = 0,
                  kmeans_iterations: int = 10, seed: int = 0, backend: str = "auto", metric: str = "cosine"):
@@ -53,7 +74,11 @@ class AnnIndex:
         self.projection: Optional[torch.Tensor] = None  # (d, b)
         self.centroids: Optional[torch.Tensor] = None  # (c, d)
         self.list_offsets = self.list_ids = self.list_codes = self.position = None
+        self.encoded_from = self.radius = None  # (L, d) float32 unit rows, (L,) float32: see refresh
+        self.col_norm = 1.0  # the largest column norm of the projection
         self.builds = 0
+        self.last_refresh = (0, 0)  # (rows checked, rows re-encoded) by the last refresh
+        self._full_refreshes, self._retry_at = 0, 0  # refreshes of every row; when tracking may restart
 
     @property
     def built(self) -> bool:
@@ -91,6 +116,7 @@ class AnnIndex:
             else:
                 self.projection = random_projection(self.dim, self.code_bits, self.seed)
         self.projection = self.projection.to(dev)
+        self.col_norm = float(torch.linalg.vector_norm(self.projection.double(), dim=0).max())
         c = self.num_lists(rows)
         gen = torch.Generator().manual_seed((self.seed + self.builds) % (2**63))
         train = self.unit_rows(weight[kmeans_sample(rows, c, gen).to(dev)])  # (<= 64 c, d) unit rows
@@ -99,10 +125,15 @@ class AnnIndex:
         # argmax of cosines and the signs of projections ignore the row norms).
         lists = torch.empty(rows, dtype=torch.int64, device=dev)
         codes = torch.empty((rows, self.code_bits // 8), dtype=torch.uint8, device=dev)
+        if self.encoded_from is not None:  # tracking (see refresh): for every row of the new build
+            self.encoded_from = torch.empty((rows, self.dim), dtype=torch.float32, device=dev)
+            self.radius = torch.empty(rows, dtype=torch.float32, device=dev)
         for a in range(0, rows, _BUILD_CHUNK):
             u = self.unit_rows(weight[a: a + _BUILD_CHUNK], normalise=False)  # (chunk, d)
             lists[a: a + _BUILD_CHUNK] = assign(u, self.centroids)
-            codes[a: a + _BUILD_CHUNK] = encode(u, self.projection)
+            for b in range(0, u.shape[0], _REFRESH_CHUNK):  # (chunk, b) float projections at a time
+                part = u[b: b + _REFRESH_CHUNK]
+                codes[a + b: a + b + part.shape[0]] = self._encode(part, slice(a + b, a + b + part.shape[0]))
         offsets, ids = build_lists(lists, c)
         self.list_offsets, self.list_ids = offsets, ids
         self.list_codes = codes[ids]  # (L, b/8) in list order
@@ -111,16 +142,74 @@ class AnnIndex:
         self.builds += 1
         log.debug("ANN index built: %d rows, %d lists, %d bits", rows, c, self.code_bits)
 
+    def _encode(self, u: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Codes (R, b/8) of the projected vectors u (R, d) of local rows ``rows`` (ids (R,) or a slice),
+        recording what they were encoded from and their safe radius (see :meth:`refresh`)."""
+        if self.encoded_from is None:  # not tracking: the codes only
+            return encode(u, self.projection)
+        codes, margins = encode_with_margins(u, self.projection)
+        unit = _matmul_roundoff(u.device)
+        self.encoded_from[rows] = F.normalize(u.float(), dim=1)  # (R, d)
+        self.radius[rows] = margins / self.col_norm * (1.0 - (self.dim + 4) * unit) - (6 * self.dim + 16) * unit
+        return codes
+
     @torch.no_grad()
     def refresh(self, weight: torch.Tensor, rows: Optional[torch.Tensor] = None) -> None:
-        """Re-encode ``rows`` (all when None) from the current weights; lists are kept."""
+        """Re-encode ``rows`` (all when None) from the current weights; lists are kept.
+
+        Only rows whose code may differ from the stored one are encoded, so the codes are exactly
+        those of encoding every row (tests/test_ann_refresh.py). The criterion: a row was encoded from
+        the vector u (what ``unit_rows`` projects: the raw row for ``cosine``, the augmented row for
+        ``dot``), bit j = [z_j > 0] with z = fl(u P). Signs ignore positive scaling, so compare unit
+        vectors: with û = u/|u| and û' the new one, exactly |û'.p_j - û.p_j| <= |û' - û| |p_j|, and a
+        float32 dot product of length d is within g_d |u| |p_j| of the exact one (g_d ~ d 2^-24). So
+        bit j cannot flip while
+
+            |û' - û| < min_j |z_j| / (|u| max_j |p_j|) - 2 g_d - (normalisation and norm errors),
+
+        the right side is the row's ``radius`` (computed at encoding, with a slack of (6d + 16) 2^-24
+        for the rounding terms: the two dot products, the two normalisations, the norm and the
+        distance), and |û' - û| is checked as |n' - n|, n and n' the float32 unit rows (n stored).
+        Weight decay alone (a rescaling) never re-encodes a row; a row with a projection within the
+        slack of zero is re-encoded whenever it is refreshed. Tracking (the stored rows and radii)
+        starts at the first refresh of every row, which encodes every row; until then, and after
+        loading a state dict (they are not saved), the rows asked for are simply encoded. When a
+        refresh of every row re-encodes more than ``track_max_share`` of them (rows still moving under
+        momentum), tracking pauses for ``retry_every`` such refreshes. P's columns are unit vectors (an
+        orthogonal rotation or ITQ's PCA times a rotation), so max_j |p_j| is 1 up to rounding; it is
+        measured anyway. Cost: O(R*d) to check, plus O(R'*d*b) for the R' rows re-encoded.
+        """
+        if rows is not None and rows.numel() == 0:
+            self.last_refresh = (0, 0)
+            return
+        tracked = self.encoded_from is not None
         if rows is None:
-            self.list_codes = encode(self.unit_rows(weight, normalise=False), self.projection)[self.list_ids]
-            return
-        if rows.numel() == 0:
-            return
-        self.list_codes[self.position[rows]] = encode(self.unit_rows(weight[rows], normalise=False),
-                                                      self.projection)
+            self._full_refreshes += 1
+            if not tracked and self._full_refreshes >= self._retry_at:  # (re)start tracking: encode all
+                n = self.list_ids.numel()
+                self.encoded_from = torch.zeros((n, self.dim), dtype=torch.float32, device=self.list_ids.device)
+                self.radius = torch.full((n,), -1.0, dtype=torch.float32, device=self.list_ids.device)
+        total = weight.shape[0] if rows is None else rows.numel()
+        encoded = 0
+        for a in range(0, total, _REFRESH_CHUNK):
+            sel = slice(a, min(a + _REFRESH_CHUNK, total)) if rows is None else rows[a: a + _REFRESH_CHUNK]
+            u = self.unit_rows(weight[sel], normalise=False)  # (R, d)
+            ids = torch.arange(sel.start, sel.stop, device=u.device) if rows is None else sel  # (R,)
+            if self.encoded_from is not None:
+                t = F.normalize(u, dim=1).sub_(self.encoded_from[sel])
+                redo = (torch.linalg.vector_norm(t, dim=1) >= self.radius[sel]).nonzero().squeeze(1)  # (R',)
+                if redo.numel() < ids.numel():  # only the rows that may have changed code
+                    u, ids, sel = u[redo], ids[redo], ids[redo]
+            encoded += ids.numel()
+            if ids.numel():
+                self.list_codes[self.position[ids]] = self._encode(u, sel)
+        self.last_refresh = (total, encoded)
+        if rows is None and tracked and encoded > self.track_max_share * total:
+            # most rows moved: the check costs more than it saves; plain re-encodes for a while
+            self.encoded_from = self.radius = None
+            self._retry_at = self._full_refreshes + self.retry_every
+            log.debug("ANN refresh re-encoded %d of %d rows: tracking paused for %d refreshes", encoded, total,
+                      self.retry_every)
 
     @torch.no_grad()
     def probe(self, unit_queries: torch.Tensor, nprobe: int, scan_rows: int = 0) -> torch.Tensor:
@@ -158,7 +247,8 @@ class AnnIndex:
                                   backend=self.backend, check=False)
         return ids
 
-    _TENSORS = ("projection", "centroids", "list_offsets", "list_ids", "list_codes", "position")
+    _TENSORS = ("projection", "centroids", "list_offsets", "list_ids", "list_codes", "position", "encoded_from",
+                "radius")
 
     def to(self, device) -> AnnIndex:
         """Move every index tensor to ``device`` (in place; dtypes kept: float32 projection and
@@ -185,6 +275,9 @@ class AnnIndex:
         self.projection, self.centroids = move(state["projection"]), move(state["centroids"])
         self.list_offsets, self.list_ids = move(state["list_offsets"]), move(state["list_ids"])
         self.list_codes, self.builds = move(state["list_codes"]), int(state["builds"])
+        self.encoded_from = self.radius = None  # not saved: tracking restarts at the next refresh of every row
+        if self.projection is not None:
+            self.col_norm = float(torch.linalg.vector_norm(self.projection.double(), dim=0).max())
         if self.list_ids is not None:
             self.position = torch.empty_like(self.list_ids)
             self.position[self.list_ids] = torch.arange(self.list_ids.numel(), device=self.list_ids.device)

@@ -17,7 +17,9 @@ and every ``rebuild_interval`` steps (early in training at doubling gaps from
 are re-encoded every ``encode_interval`` steps, right before they are queried: with lazy
 updates the positives and retrieved classes of the last step (``encode_rows: retrieved``,
 the rows with large updates) or its whole active set (``active``); with dense updates
-every row.
+every row whose code may have changed (AnnIndex.refresh: a safe radius per row). Every read
+of the weights goes through ``read_rows`` first, which catches stale rows up under
+``update: lazy_exact`` (the default of sampled heads).
 """
 from __future__ import annotations
 
@@ -69,6 +71,7 @@ class AnnSampler(Sampler):
         """Rebuild the index from ``weight`` now (k-means, lists, every code)."""
         if self.index is None:
             self.index = self._new_index(weight.shape[1])
+        self.read_rows(None)
         self.index.build(weight)
         self.built_at, self.dirty = self.steps, None
         log.info("ANN index of classes [%d, %d) rebuilt at step %d (%d lists)", self.class_start,
@@ -97,8 +100,10 @@ class AnnSampler(Sampler):
                 self._start_background(weight)  # meanwhile the current index is kept up to date
         if c.encode_interval and self.steps % c.encode_interval == 0:
             if self.dense_updates:
+                self.read_rows(None)
                 self.index.refresh(weight)
             elif self.dirty is not None:
+                self.read_rows(self.dirty)
                 self.index.refresh(weight, self.dirty)
             self.dirty = None
 
@@ -109,6 +114,7 @@ class AnnSampler(Sampler):
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds_xc-ann-rebuild")
         fresh = self._new_index(weight.shape[1])
         fresh.projection, fresh.builds = self.index.projection, self.index.builds
+        self.read_rows(None)
         snapshot = weight.detach().clone()
         self._pending, self._snapshot_step, self._changed_since = (
             self._executor.submit(fresh.build, snapshot), self.steps, [])
@@ -124,9 +130,12 @@ class AnnSampler(Sampler):
         self.index, self.built_at = self._pending_index, self._snapshot_step
         changed = self._changed_since + ([self.dirty] if self.dirty is not None else [])
         if self.dense_updates:
+            self.read_rows(None)
             self.index.refresh(weight)
         elif changed:
-            self.index.refresh(weight, torch.unique(torch.cat(changed)))
+            changed = torch.unique(torch.cat(changed))
+            self.read_rows(changed)
+            self.index.refresh(weight, changed)
         self._pending = self._pending_index = None
         self.dirty = None
         log.info("ANN index of classes [%d, %d): background rebuild adopted at step %d", self.class_start,
@@ -139,6 +148,8 @@ class AnnSampler(Sampler):
         k = min(c.top_k, self.num_local)
         if c.rerank:
             cand = self.index.search(queries, c.nprobe, min(c.rerank, self.num_local), c.scan_rows)
+            if self.before_read is not None:  # lazy_exact: the re-ranked rows, current
+                self.read_rows(torch.unique(cand[cand >= 0]))
             return exact_cosine_rerank(queries, weight, cand, k, metric=self.metric)
         return self.index.search(queries, c.nprobe, k, c.scan_rows)
 
