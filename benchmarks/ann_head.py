@@ -5,11 +5,20 @@ One step = head forward (including the sampler: index upkeep, search, re-rank, a
 embeddings (a leaf tensor) and labels. Variants, each in its own freshly spawned gloo
 group (benchmarks/harness.py), for every world size:
 
-* ``exact``: sampler full, dense SGD (momentum 0.9, wd 5e-4): the exact chunked head;
-* ``ann``: sampler ann at ``--sample_rate`` (library defaults otherwise), ``update: lazy``
-  and lazy SGD (the same hyper-parameters);
-* ``uniform``: sampler uniform at the same rate, lazy: the cost of a sampled step without
-  retrieval (a reference, not a target).
+* ``exact``: sampler full, SGD (momentum 0.9, wd 5e-4) at the default update: the exact
+  chunked head;
+* ``ann``: sampler ``{"type": "ann", "sample_rate": r}``, nothing else named: every other
+  key, ``optimizer.update`` included, at the library default (``--update`` forces a mode on
+  the sampled variants, ``--ann KEY=JSON`` overrides a sampler key);
+* ``uniform``: sampler uniform at the same rate: the cost of a sampled step without
+  retrieval.
+
+The heads are built as a job builds them (``ClassParallelHead.from_config`` and
+``build_head_optimizer`` on one ``extreme_classification`` section). Inside each step the
+input check, gathers, sampler parts (upkeep, probe, Hamming scan, re-rank, active set),
+loss, lazy catch-up, backward and optimizer step are timed in wall and CPU seconds
+(``PARTS``, benchmark-only wrappers); the report (ann_head_report.py) checks issue 16's
+targets: speed-up over exact, 2-rank / 1-rank step, per-step memory.
 
 The ANN index is built once explicitly before the warm-up (timed and its memory peak
 probed); the periodic rebuild is amortised as build_s / rebuild_interval and added to the
@@ -18,6 +27,7 @@ Memory from /proc/self/status (VmRSS, VmHWM reset through /proc/self/clear_refs)
 rank's RSS before the head was built; max over ranks.
 
     python benchmarks/ann_head.py                # 10^6 classes, d=128, batch 512, 1 and 2 ranks
+    python benchmarks/ann_head.py --ranks 1,2,4 --num_classes 200000 --out -
     python benchmarks/ann_head.py --smoke        # 2*10^4 classes, 1+1 steps, writes nothing
 
 See benchmarks/README.md ("ANN head") for how to read the table.
@@ -36,49 +46,88 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/harness.py
-from harness import (close_rank, cpu_model, git_rev, hwm_bytes, init_rank, load_average, mib,  # noqa: E402
-                     parse_key_json, peak_reset_works, reset_peak, rss_bytes, spawn_ranks, timed_index_build,
-                     usable_cores, write_report)
+from ann_head_report import LOSSES, SGD, render  # noqa: E402
+from harness import (close_rank, hwm_bytes, init_rank, load_average, mib, parse_key_json,  # noqa: E402
+                     peak_reset_works, reset_peak, rss_bytes, spawn_ranks, timed_index_build, write_report)
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "ann_head.md")
-LOSSES = {"arcface": {"type": "arcface", "scale": 64.0, "margin": 0.5}, "softmax": {"type": "softmax"}}
-SGD = {"type": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4}
-TARGET_SPEEDUP, TARGET_MEMORY = 5.0, 0.2
 
 
-def variant_spec(name: str, rate: float, ann_overrides: dict) -> dict:
-    """sampler config and update mode of a variant."""
+def variant_spec(name: str, rate: float, ann_overrides: dict, update: str | None = None) -> dict:
+    """Sampler config and optimizer section of a variant: the sampler names its type and rate
+    only, the optimizer no update mode unless one is forced (``update``, sampled variants)."""
+    opt = dict(SGD)
     if name == "exact":
-        return {"sampler": {"type": "full"}, "update": "dense"}
+        return {"sampler": {"type": "full"}, "optimizer": opt}
+    if update:
+        opt["update"] = update
     if name == "uniform":
-        return {"sampler": {"type": "uniform", "sample_rate": rate}, "update": "lazy"}
+        return {"sampler": {"type": "uniform", "sample_rate": rate}, "optimizer": opt}
     if name == "ann":
-        return {"sampler": dict({"type": "ann", "sample_rate": rate}, **ann_overrides), "update": "lazy"}
+        return {"sampler": dict({"type": "ann", "sample_rate": rate}, **ann_overrides), "optimizer": opt}
     raise ValueError(f"unknown variant {name!r}")
+
+
+def head_section(spec: dict, num_classes: int) -> dict:
+    """The ``extreme_classification`` section a job would hold for this variant."""
+    return {"num_classes": num_classes, "embedding_dim": spec["dim"], "loss": LOSSES[spec["loss"]],
+            "sampler": spec["sampler"], "chunk_size": spec["chunk"], "check_inputs": False,
+            "optimizer": spec["optimizer"]}
 
 
 # ---------------------------------------------------------------------------- one rank
 class _Timer:
-    """Accumulates wall seconds of wrapped calls (benchmark-only instrumentation)."""
+    """Accumulates wall and process-CPU seconds of wrapped calls (benchmark-only instrumentation).
+    Nested parts (probe inside retrieve) count in both; a re-entered part counts once."""
 
     def __init__(self):
-        self.acc = {}
+        self.acc, self.depth = {}, {}
 
     def wrap(self, obj, attr: str, key: str) -> None:
         inner = getattr(obj, attr)
 
         def timed(*a, **k):
-            t = time.perf_counter()
+            if self.depth.get(key):
+                return inner(*a, **k)
+            self.depth[key] = 1
+            t, c = time.perf_counter(), time.process_time()
             try:
                 return inner(*a, **k)
             finally:
-                self.acc[key] = self.acc.get(key, 0.0) + time.perf_counter() - t
+                w0, c0 = self.acc.get(key, (0.0, 0.0))
+                self.acc[key] = (w0 + time.perf_counter() - t, c0 + time.process_time() - c)
+                self.depth[key] = 0
 
         setattr(obj, attr, timed)
 
     def take(self) -> dict:
         out, self.acc = self.acc, {}
         return out
+
+
+def instrument(timer: _Timer, head) -> None:
+    """Wrap the parts of a step (PART_KEYS of ann_head_report) that this head has."""
+    import ds_xc.head.head as head_mod
+    import ds_xc.sampling.ann.index as index_mod
+    import ds_xc.sampling.ann.sampler as ann_mod
+    import ds_xc.sampling.uniform as uniform_mod
+
+    s = head.sampler
+    timer.wrap(head, "check_batch", "check")
+    timer.wrap(head, "gather", "gather")
+    timer.wrap(s, "sample", "sample")
+    timer.wrap(head_mod, "sharded_margin_loss", "loss")
+    for attr, key in (("_upkeep", "upkeep"), ("retrieve", "retrieve")):
+        if hasattr(s, attr):
+            timer.wrap(s, attr, key)
+    if getattr(s, "index", None) is not None:
+        timer.wrap(s.index, "probe", "probe")
+    timer.wrap(index_mod, "hamming_topk_ivf", "scan")
+    timer.wrap(ann_mod, "exact_cosine_rerank", "rerank")
+    timer.wrap(ann_mod, "assemble", "assemble")
+    timer.wrap(uniform_mod, "assemble", "assemble")
+    if head.lazy_catch_up is not None:
+        timer.wrap(head, "lazy_catch_up", "catch_up")
 
 
 def _index_bytes(sampler) -> int:
@@ -97,19 +146,14 @@ def run_rank(rank: int, world: int, port: int, spec: dict) -> dict:
 
     try:
         local_batch, dim, classes = spec["batch"] // world, spec["dim"], spec["num_classes"]
-        opt_cfg = dict(SGD, update=spec["update"])
-        _prewarm(ds_xc, torch, spec, local_batch, opt_cfg)
+        _prewarm(ds_xc, torch, spec, local_batch)
         baseline = rss_bytes()
-        head = ds_xc.ClassParallelHead(dim, classes, loss=LOSSES[spec["loss"]], sampler=spec["sampler"],
-                                       chunk_size=spec["chunk"], update=spec["update"], check_inputs=False)
-        opt = ds_xc.build_head_optimizer(head, opt_cfg)
-        timer = _Timer()
+        head = ds_xc.ClassParallelHead.from_config(head_section(spec, classes))
+        opt = ds_xc.build_head_optimizer(head, spec["optimizer"])
         s = head.sampler
-        for attr in ("_upkeep", "retrieve"):
-            if hasattr(s, attr):
-                timer.wrap(s, attr, attr.strip("_"))
-        timer.wrap(s, "sample", "sample")
         build_s, build_cpu, build_extra = timed_index_build(head)  # before the momentum exists
+        timer = _Timer()
+        instrument(timer, head)
         gen = torch.Generator().manual_seed(1000 + rank)  # same data for every variant
 
         def batch():
@@ -129,18 +173,18 @@ def run_rank(rank: int, world: int, port: int, spec: dict) -> dict:
             if probe:
                 reset_peak()
             loss = head(x, y)
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             if probe:
                 phase_peak["forward"] = max(phase_peak["forward"], hwm_bytes() - baseline)
                 reset_peak()
             loss.backward()
-            t2 = time.perf_counter()
+            t2, c2 = time.perf_counter(), time.process_time()
             if probe:
                 phase_peak["backward"] = max(phase_peak["backward"], hwm_bytes() - baseline)
                 reset_peak()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            t3 = time.perf_counter()
+            t3, c3 = time.perf_counter(), time.process_time()
             if probe:
                 phase_peak["step"] = max(phase_peak["step"], hwm_bytes() - baseline)
             losses.append(float(loss.detach()))
@@ -149,8 +193,8 @@ def run_rank(rank: int, world: int, port: int, spec: dict) -> dict:
             parts = timer.take()
             return {"total": t3 - t0, "forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2,
                     "cpu": r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime,
-                    "sample": parts.get("sample", 0.0), "upkeep": parts.get("upkeep", 0.0),
-                    "retrieve": parts.get("retrieve", 0.0)}
+                    "backward_cpu": c2 - c1, "step_cpu": c3 - c2,
+                    "sample": parts.get("sample", (0.0, 0.0))[0], "parts": parts}
 
         for i in range(spec["warmup"]):  # the last warm-up step also records the peak of each phase
             step(probe=i == spec["warmup"] - 1)
@@ -158,11 +202,14 @@ def run_rank(rank: int, world: int, port: int, spec: dict) -> dict:
         reset_peak()
         timed = [step(probe=False) for _ in range(spec["steps"])]
         peak = hwm_bytes() - baseline
-        med = {k: statistics.median(t[k] for t in timed) for k in timed[0]}
+        med = {k: statistics.median(t[k] for t in timed) for k in timed[0] if k != "parts"}
+        part_keys = sorted({k for t in timed for k in t["parts"]})
+        parts = {k: tuple(statistics.median(t["parts"].get(k, (0.0, 0.0))[i] for t in timed) for i in (0, 1))
+                 for k in part_keys}
         totals = [t["total"] for t in timed]
         last = stats[-1] if stats else {}
         return {"rank": rank, "torch": torch.__version__, "num_local": head.num_local, "step_s": med["total"],
-                "step_range": (min(totals), max(totals)), "phase_s": med, "persistent": persistent,
+                "step_range": (min(totals), max(totals)), "phase_s": med, "parts": parts, "persistent": persistent,
                 "peak": peak, "phase_peak": phase_peak, "losses": losses, "build_s": build_s, "build_cpu": build_cpu,
                 "build_extra": build_extra, "index_bytes": _index_bytes(s), "stats": last,
                 "rebuild_interval": getattr(head.sampler_config, "rebuild_interval", 0),
@@ -171,14 +218,13 @@ def run_rank(rank: int, world: int, port: int, spec: dict) -> dict:
         close_rank()
 
 
-def _prewarm(ds_xc, torch, spec: dict, local_batch: int, opt_cfg: dict) -> None:
+def _prewarm(ds_xc, torch, spec: dict, local_batch: int) -> None:
     """One step of a tiny head through the same code path (same sampler type, so the Hamming
     op is loaded), so that code pages, thread pools and arenas are in the baseline."""
     import gc
 
-    head = ds_xc.ClassParallelHead(spec["dim"], 4096, loss=LOSSES[spec["loss"]], sampler=spec["sampler"],
-                                   chunk_size=spec["chunk"], update=spec["update"], check_inputs=False)
-    opt = ds_xc.build_head_optimizer(head, opt_cfg)
+    head = ds_xc.ClassParallelHead.from_config(head_section(spec, 4096))
+    opt = ds_xc.build_head_optimizer(head, spec["optimizer"])
     x = torch.randn((local_batch, spec["dim"])).requires_grad_(True)
     head(x, torch.randint(0, 4096, (local_batch,))).backward()
     opt.step()
@@ -191,10 +237,12 @@ def summarise(spec: dict, ranks: list) -> dict:
     def mx(key):
         return max(r[key] for r in ranks)
 
-    row = {k: spec[k] for k in ("world", "variant", "sampler", "update", "chunk")}
+    row = {k: spec[k] for k in ("world", "variant", "sampler", "optimizer", "chunk")}
     row.update(num_local=mx("num_local"), step_s=mx("step_s"),
                step_range=max((r["step_range"] for r in ranks), key=lambda mm: mm[1]),
                phase_s={k: max(r["phase_s"][k] for r in ranks) for k in ranks[0]["phase_s"]},
+               parts={k: tuple(max(r["parts"].get(k, (0.0, 0.0))[i] for r in ranks) for i in (0, 1))
+                      for k in ranks[0]["parts"]},
                persistent=mx("persistent"), peak=mx("peak"),
                phase_peak={k: max(r["phase_peak"][k] for r in ranks) for k in ranks[0]["phase_peak"]},
                build_s=mx("build_s"), build_cpu=mx("build_cpu"), build_extra=mx("build_extra"), index_bytes=mx("index_bytes"),
@@ -210,7 +258,7 @@ def summarise(spec: dict, ranks: list) -> dict:
 
 def run_variant(args, world: int, name: str, sampler_overrides: dict | None = None, label: str | None = None) -> dict:
     """Spawn one configuration and summarise it (used by ann_groups.py too)."""
-    v = variant_spec(name, args.sample_rate, dict(args.ann_overrides, **(sampler_overrides or {})))
+    v = variant_spec(name, args.sample_rate, dict(args.ann_overrides, **(sampler_overrides or {})), args.update)
     spec = dict(v, world=world, variant=label or name, num_classes=args.num_classes, dim=args.dim,
                 batch=args.batch, loss=args.loss, chunk=args.chunk, steps=args.steps, warmup=args.warmup,
                 threads=args.threads_1 if world == 1 else 1, timeout=args.timeout)
@@ -238,114 +286,6 @@ def combine(runs: list) -> list:
     return out
 
 
-# ---------------------------------------------------------------------------- report
-def header(title: str, args, command: str, started: str, wall_s: float, hwm_ok: bool, torch_version: str) -> list:
-    return [
-        f"# {title}",
-        "",
-        f"- command: `{command}`",
-        f"- date: {started} (wall time {wall_s:.0f} s)",
-        f"- torch {torch_version}, python {platform.python_version()}, CPU: {cpu_model()}, "
-        f"{usable_cores()} cores usable (os.cpu_count() = {os.cpu_count()}); load average (1/5/15 min) "
-        f"at start / end of each configuration in the `load` column (other jobs share these cores)",
-        f"- head: {args.num_classes:,} classes, d={args.dim}, global batch {args.batch}, float32, chunk_size "
-        f"{args.chunk}, loss {json.dumps(LOSSES[args.loss])}, check_inputs off, SGD {json.dumps(SGD)} "
-        f"(dense for exact, lazy for sampled)",
-        f"- ANN sampler: {json.dumps(dict({'type': 'ann', 'sample_rate': args.sample_rate}, **args.ann_overrides))} "
-        f"(other keys at their defaults in ds_xc/config.py)",
-        f"- per configuration: fresh gloo group of spawned processes; threads = {args.threads_1} at 1 rank, "
-        f"1 per rank otherwise; {args.warmup} warm-up + {args.steps} timed steps per round, {args.rounds} round(s); "
-        "max over ranks of each rank's median",
-        f"- ds_xc at git {git_rev()}",
-        f"- VmHWM reset via /proc/self/clear_refs works here: {'yes' if hwm_ok else 'NO (peak is since process start)'}",
-        "",
-    ]
-
-
-def speedups(r: dict, base: dict) -> dict:
-    """Ratios of variant ``r`` against the exact row ``base`` of the same world size."""
-    return {"wall": base["amortised_s"] / r["amortised_s"],
-            "cpu": base["amortised_cpu"] / max(r["amortised_cpu"], 1e-9),
-            "peak": r["peak"] / base["peak"], "extra": r["extra"] / max(base["extra"], 1),
-            "with_build": r["peak_with_build"] / base["peak"]}
-
-
-def render(rows: list, args, command: str, started: str, wall_s: float, hwm_ok: bool) -> str:
-    lines = header("ANN-sampled head vs exact chunked head", args, command, started, wall_s, hwm_ok,
-                   rows[0]["torch"])
-    lines += [
-        "Step = forward (sampler included) + backward + optimizer step + zero_grad; `amortised` adds "
-        "index build / rebuild_interval (wall and CPU). `step s` is the median over the timed steps of the round "
-        f"with the smallest median ({args.rounds} rounds, all variants once per round; every round's median in "
-        "`rounds`); `cpu s` = user + sys CPU seconds of the rank per step (max over ranks), which other jobs "
-        "disturb less than wall time. Memory in MiB above the rank's RSS before the head was built: "
-        "`persistent` = after warm-up (weights + momentum + ANN index), `peak` = VmHWM over the timed steps, "
-        "`above pers.` = peak - persistent (per-step memory). Ratios are variant / exact of the same world "
-        f"size. Targets: speed-up >= {TARGET_SPEEDUP:g}, peak ratio <= {TARGET_MEMORY:g}.",
-        "",
-        "| ranks | variant | C_local | step s (min-max) | rounds | amortised s | speed-up | cpu s | speed-up (cpu) "
-        "| >= 5x | persistent | peak | peak ratio | above pers. | ratio above pers. | <= 0.2x (above pers.) | load |",
-        "|---:|---|---:|---:|---|---:|---:|---:|---:|:---:|---:|---:|---:|---:|---:|:---:|---|",
-    ]
-    for r in rows:
-        base = next((b for b in rows if b["world"] == r["world"] and b["variant"] == "exact"), None)
-        if base is not None and r is not base:
-            x = speedups(r, base)
-            ok = "yes" if min(x["wall"], x["cpu"]) >= TARGET_SPEEDUP else (
-                "wall only" if x["wall"] >= TARGET_SPEEDUP else "cpu only" if x["cpu"] >= TARGET_SPEEDUP else "**no**")
-            okm = "yes" if x["extra"] <= TARGET_MEMORY else "**no**"
-            cells = [f"{x['wall']:.2f}", f"{x['cpu']:.2f}", ok, f"{x['peak']:.2f}", f"{x['extra']:.2f}", okm]
-        else:
-            cells = ["1.00", "1.00", "-", "1.00", "1.00", "-"]
-        rounds = "/".join(f"{v:.2f}" for v in r["rounds_s"])
-        lines.append(
-            f"| {r['world']} | {r['variant']} | {r['num_local']:,} | {r['step_s']:.2f} ({r['step_range'][0]:.2f}-"
-            f"{r['step_range'][1]:.2f}) | {rounds} | {r['amortised_s']:.2f} | {cells[0]} | {r['amortised_cpu']:.2f} | "
-            f"{cells[1]} | {cells[2]} | {mib(r['persistent'])} | {mib(r['peak'])} | {cells[3]} | {mib(r['extra'])} | "
-            f"{cells[4]} | {cells[5]} | {r['load']} |")
-    lines += [
-        "",
-        "Index upkeep and memory of the sampled variants: `build s` / `build cpu s` = one full index build "
-        "(k-means + lists + every code; amortised over rebuild_interval steps above); `build above pers.` = "
-        "its peak above the RSS before it; `peak incl. build` = persistent + max(per-step extra, build extra), "
-        "the total peak of a step that also rebuilds, and its ratio to the exact peak; `index` = the index's "
-        "tensors (codes, ids, positions, centroids, projection).",
-        "",
-        "| ranks | variant | build s | build cpu s | rebuild_interval | build above pers. | ratio build / exact above pers. "
-        "| peak incl. build | ratio incl. build | index MiB |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        base = next((b for b in rows if b["world"] == r["world"] and b["variant"] == "exact"), None)
-        if r["variant"] == "exact" or base is None or not r["build_s"]:
-            continue
-        lines.append(
-            f"| {r['world']} | {r['variant']} | {r['build_s']:.1f} | {r['build_cpu']:.1f} | {r['rebuild_interval']} | "
-            f"{mib(r['build_extra'])} | {r['build_extra'] / max(base['extra'], 1):.2f} | {mib(r['peak_with_build'])} | "
-            f"{r['peak_with_build'] / base['peak']:.2f} | {mib(r['index_bytes'])} |")
-    lines += [
-        "",
-        "Where the time goes (median seconds of the representative round, max over ranks): `sample` is the "
-        "whole sampler call inside the forward (`upkeep`: re-encoding the rows changed by the last step; "
-        "`retrieve`: probe + Hamming scan + exact re-rank; the rest is active-set assembly); `loss` = forward - "
-        "sample (gather of the active rows + fused chunked loss). Peaks per phase (MiB above baseline) from the "
-        "last warm-up step. Counts of the last step on rank 0. W = weights of the shard in MiB.",
-        "",
-        "| ranks | variant | W | forward s | sample s | upkeep s | retrieve s | loss s | backward s | step s | "
-        "peak forward | peak backward | peak step | active | retrieved | kept | cut | fill | loss step 1 |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        t, p, st = r["phase_s"], r["phase_peak"], r["stats"]
-        cnt = [str(st.get(k, "-")) for k in ("active", "retrieved", "kept", "cut", "fill")]
-        lines.append(
-            f"| {r['world']} | {r['variant']} | {mib(r['weights'])} | {t['forward']:.2f} | {t['sample']:.2f} | "
-            f"{t['upkeep']:.2f} | {t['retrieve']:.2f} | {t['forward'] - t['sample']:.2f} | {t['backward']:.3f} | "
-            f"{t['step']:.2f} | {mib(p['forward'])} | {mib(p['backward'])} | {mib(p['step'])} | "
-            + " | ".join(cnt) + f" | {r['losses'][0]:.4f} |")
-    return "\n".join(lines) + "\n"
-
-
 # ---------------------------------------------------------------------------- main
 def add_common_args(p, smoke_classes: int = 20_000) -> None:
     p.add_argument("--num_classes", type=int, default=None, help=f"classes C (default 10^6; --smoke: {smoke_classes})")
@@ -355,7 +295,11 @@ def add_common_args(p, smoke_classes: int = 20_000) -> None:
     p.add_argument("--ann", action="append", default=[], metavar="KEY=JSON",
                    help="override an ann sampler key, e.g. --ann nprobe=16 (repeatable)")
     p.add_argument("--chunk", type=int, default=128, help="chunk_size of every variant (configs/default.json: 128)")
-    p.add_argument("--worlds", type=str, default="1,2", help="comma-separated world sizes")
+    p.add_argument("--worlds", "--ranks", dest="worlds", type=str, default="1,2",
+                   help="comma-separated world sizes, e.g. 1,2,4 (more ranks than cores time-share them: "
+                        "read the CPU seconds per rank)")
+    p.add_argument("--update", choices=("dense", "lazy", "lazy_exact"), default=None,
+                   help="force optimizer.update on the sampled variants (default: the library's)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 4; --smoke: 1)")
     p.add_argument("--warmup", type=int, default=None, choices=(1, 2),
                    help="warm-up steps; the last one probes the peak of each phase (default 2; --smoke: 1)")

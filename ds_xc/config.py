@@ -115,13 +115,22 @@ class AnnSampler(_Section):
         "learned by iterative quantisation (needs code_bits <= embedding_dim).")
     nlist: int = Field(0, ge=0, description="Inverted lists (spherical k-means centroids); 0 = round(sqrt(num_local)).")
     nprobe: int = Field(32, ge=1, description="Lists scanned per query at least (capped at nlist).")
-    scan_rows: int = Field(65536, ge=0, description="Rows scanned per query at least: beyond the nprobe "
-                           "lists, the next lists by centroid score are added until this many rows are "
-                           "covered, so shards up to this size are scanned flat (the scan costs ~3 ns "
-                           "per row and query at 512 bits on one CPU core); 0 = nprobe lists only.")
-    top_k: int = Field(64, ge=1, le=4096, description="Classes retrieved per sample.")
-    rerank: int = Field(192, ge=0, le=16384, description="Candidates per sample re-ranked by the exact "
-                        "cosine before keeping top_k (0 = rank by Hamming distance only).")
+    scan_rows: int = Field(65536, ge=0, description="Rows scanned per query at least, over the whole head "
+                           "(scan_budget head): each shard scans its share ceil(scan_rows * num_local / "
+                           "num_classes), so 1 and P ranks scan the same total; beyond the nprobe lists, the "
+                           "next lists by centroid score are added until the share is covered, and a shard "
+                           "within its share is scanned flat (the scan costs ~3 ns per row and query at 512 "
+                           "bits on one CPU core); 0 = nprobe lists only.")
+    top_k: int = Field(64, ge=1, le=4096, description="Classes retrieved per sample on each shard.")
+    rerank: int = Field(256, ge=0, le=16384, description="Candidates per sample re-ranked by the exact "
+                        "cosine before keeping top_k, over the whole head (scan_budget head): each shard "
+                        "re-ranks its share ceil(rerank * num_local / num_classes), at least top_k (0 = rank "
+                        "by Hamming distance only).")
+    scan_budget: Literal["head", "shard"] = Field(
+        "head", description="What scan_rows and rerank count: head = rows and candidates per query over all "
+        "shards, each shard taking its share of its classes (the same recall and total work at any world "
+        "size); shard = per shard, whatever the world size (the behaviour before issue 16: every rank "
+        "scans scan_rows rows per query, so the scan does not shrink with more ranks).")
     retrieved_share: float = _retrieved_share_field("retrieved classes")
     groups: int = Field(1, ge=1, le=1024, description="Sample groups G: the global batch is split into G "
                         "groups, each with its own active set.")

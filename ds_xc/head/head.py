@@ -152,6 +152,7 @@ class ClassParallelHead(nn.Module):
                                      self.rank, self.weight.device)
         self.sampler.dense_updates = update == "dense"  # every row changes each step: re-encode all
         self.sampler.metric = "cosine" if self.loss_fn.normalised else "dot"  # what the logits rank by
+        self.sampler.num_classes = self.num_classes  # ann: shards take their share of head-wide budgets
         self.last_active: Optional[ActiveSet] = None
         self.lazy_catch_up = None  # update lazy_exact: the optimizer's catch_up(rows or None)
         self.sampler.before_read = self._catch_up_rows  # the sampler's reads of the weights see current rows

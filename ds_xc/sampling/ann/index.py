@@ -285,19 +285,29 @@ class AnnIndex:
 
 @torch.no_grad()
 def exact_cosine_rerank(queries: torch.Tensor, weight: torch.Tensor, candidates: torch.Tensor, k: int,
-                        chunk: int = 128, metric: str = "cosine") -> torch.Tensor:
+                        chunk: int = 32, metric: str = "cosine") -> torch.Tensor:
     """Re-order candidates (N, R) (-1 = none) by the exact cosine (or dot product) with
-    queries (N, d); keep k."""
-    out = torch.full((candidates.shape[0], k), -1, dtype=torch.int64, device=candidates.device)
-    for a in range(0, candidates.shape[0], chunk):
+    queries (N, d); keep k.
+
+    The candidate rows are gathered ``chunk`` queries at a time into one reused buffer
+    (index_select into it): the gather of N R random rows is most of the cost, and a fresh
+    (chunk, R, d) tensor per chunk costs page faults on top of it (a 2-3x slower re-rank
+    measured at chunk 128 with advanced indexing).
+    """
+    n_rows, r = candidates.shape
+    out = torch.full((n_rows, k), -1, dtype=torch.int64, device=candidates.device)
+    w_all = weight.detach()
+    buf = w_all.new_empty((min(chunk, n_rows) * r, w_all.shape[1]))  # (chunk R, d), reused
+    for a in range(0, n_rows, chunk):
         cand = candidates[a: a + chunk]  # (n, R)
         valid = cand >= 0
-        w = weight.detach()[cand.clamp_min(0)].float()  # (n, R, d)
+        flat = cand.clamp_min(0).reshape(-1)  # (n R,)
+        w = torch.index_select(w_all, 0, flat, out=buf[: flat.numel()]).view(cand.shape[0], r, -1).float()
         score = torch.bmm(w, queries[a: a + chunk].float().unsqueeze(2)).squeeze(2)  # (n, R)
         if metric == "cosine":  # divide by the row norms rather than write a normalised copy of w
             score = score / torch.linalg.vector_norm(w, dim=2).clamp_min(1e-12)
         score = score.masked_fill(~valid, float("-inf"))
-        top = torch.topk(score, min(k, cand.shape[1]), dim=1)
+        top = torch.topk(score, min(k, r), dim=1)
         picked = cand.gather(1, top.indices)
         out[a: a + chunk, : picked.shape[1]] = torch.where(torch.isfinite(top.values), picked, -1)
     return out

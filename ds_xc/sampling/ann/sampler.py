@@ -35,7 +35,18 @@ from ds_xc.sampling.base import ActiveSet, Sampler, budget, local_targets, rebui
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AnnSampler", "group_bounds"]
+__all__ = ["AnnSampler", "group_bounds", "shard_share"]
+
+
+def shard_share(total: int, num_local: int, num_classes: int) -> int:
+    """This shard's share of a head-wide per-query budget: ceil(total * L / C) (0 stays 0).
+
+    Summed over the shards of a head the shares cover the total (at most P - 1 more), so a
+    1-rank and a P-rank head scan and re-rank the same number of rows per query.
+    """
+    if total <= 0 or num_classes <= 0:
+        return 0
+    return -(-int(total) * int(num_local) // int(num_classes))
 
 
 def group_bounds(num_rows: int, groups: int) -> list:
@@ -56,6 +67,7 @@ class AnnSampler(Sampler):
         self.dirty: Optional[torch.Tensor] = None  # rows to re-encode; None = none pending
         self.dense_updates = False  # set by the head: with dense updates every row changes each step
         self.metric = "cosine"  # set by the head: "dot" for plain softmax (logits x.w)
+        self.num_classes = num_local  # set by the head: classes of the whole head (the budgets' shares)
         self.last_stats: dict = {}
         self.last_retrieved: Optional[torch.Tensor] = None  # (N, r) local ids of the last step
         self._executor = self._pending = self._pending_index = None  # background rebuild
@@ -142,16 +154,31 @@ class AnnSampler(Sampler):
                  self.class_start + self.num_local, self.steps)
 
     # ------------------------------------------------------------------ sampling
-    def retrieve(self, queries: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Local ids (N, top_k) of each unit query's best classes (-1 where fewer exist)."""
+    def budgets(self) -> tuple[int, int, int]:
+        """(scan_rows, rerank, top_k) per query on this shard.
+
+        ``scan_budget: head``: scan_rows and rerank are budgets of the whole head, and this
+        shard takes its share of its classes (``shard_share``), the re-rank at least top_k;
+        so the scan and the re-rank shrink with more ranks, while the union over the shards
+        covers what one rank would scan. ``shard``: the configured counts on every shard.
+        """
         c = self.config
         k = min(c.top_k, self.num_local)
-        if c.rerank:
-            cand = self.index.search(queries, c.nprobe, min(c.rerank, self.num_local), c.scan_rows)
+        scan, rerank = c.scan_rows, c.rerank
+        if c.scan_budget == "head":
+            scan = shard_share(scan, self.num_local, self.num_classes)
+            rerank = max(k, shard_share(rerank, self.num_local, self.num_classes)) if rerank else 0
+        return scan, min(rerank, self.num_local), k
+
+    def retrieve(self, queries: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Local ids (N, top_k) of each unit query's best classes (-1 where fewer exist)."""
+        scan, rerank, k = self.budgets()
+        if rerank:
+            cand = self.index.search(queries, self.config.nprobe, rerank, scan)
             if self.before_read is not None:  # lazy_exact: the re-ranked rows, current
                 self.read_rows(torch.unique(cand[cand >= 0]))
             return exact_cosine_rerank(queries, weight, cand, k, metric=self.metric)
-        return self.index.search(queries, c.nprobe, k, c.scan_rows)
+        return self.index.search(queries, self.config.nprobe, k, scan)
 
     def sample(self, labels, embeddings, weight) -> ActiveSet:
         local, mine = local_targets(labels, self.class_start, self.num_local)
