@@ -36,9 +36,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
-import platform
 import resource
 import shlex
 import statistics
