@@ -337,7 +337,11 @@ class HeadAdamW(_HeadOptimizer):
 
 
 def build_head_optimizer(head, section) -> Optimizer:
-    """The head's optimizer from ``extreme_classification.optimizer`` (dict or model)."""
+    """The head's optimizer from ``extreme_classification.optimizer`` (dict or model).
+
+    A head with a replica group (2-D layout) gets a step pre-hook that sums the shard gradient
+    over its replicas (``head.replicas.reduce_grad_``): every replica then steps on the same
+    gradient, with the same bf16 rounding stream (seeded by the class rank), into the same state."""
     c = cfg.validate_section(cfg.HeadOptimizerConfig, section, f"{cfg.HEAD_SECTION}.optimizer")
     lazy, exact = c.update in ("lazy", "frozen"), c.update == "lazy_exact"
     # the rounding stream: per rank (shards must not share bits), reproducible from the head seed
@@ -351,4 +355,7 @@ def build_head_optimizer(head, section) -> Optimizer:
                         lazy=lazy, exact=exact, **bf16)
     if exact and hasattr(head, "lazy_catch_up"):  # the head catches rows up before it reads them
         head.lazy_catch_up = opt.catch_up
+    replicas = getattr(head, "replicas", None)
+    if replicas is not None and replicas.active:  # 2-D layout: the replicas' gradients summed before each step
+        opt.register_step_pre_hook(lambda optimizer, args, kwargs: replicas.reduce_grad_(head.weight))
     return opt
