@@ -156,14 +156,14 @@ class ClassParallelHead(nn.Module):
                  self.embedding_dim, self.loss_fn.describe(), self.sampler_config.type, self.replicas.describe())
 
     @classmethod
-    def from_config(cls, section, group=None, device=None) -> "ClassParallelHead":
+    def from_config(cls, section, group=None, device=None, replica_group=None) -> "ClassParallelHead":
         """Build from the ``extreme_classification`` section (a plain dict or a HeadConfig)."""
         c = cfg.validate_section(cfg.HeadConfig, section, cfg.HEAD_SECTION)
         return cls(c.embedding_dim, c.num_classes, loss=c.loss, sampler=c.sampler, group=group,
                    chunk_size=c.chunk_size, dtype=c.dtype, init_std=c.init_std, seed=c.seed,
                    update=c.optimizer.update, check_inputs=c.check_inputs, nonfinite=c.nonfinite, device=device,
                    softmax_backend=c.softmax_backend, check_interval=c.check_interval,
-                   input_parallel=c.input_parallel)
+                   input_parallel=c.input_parallel, replica_group=replica_group)
 
     def extra_repr(self) -> str:
         return (f"embedding_dim={self.embedding_dim}, num_classes={self.num_classes}, "
