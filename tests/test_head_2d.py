@@ -259,3 +259,25 @@ def test_2d_replicated_input(pools):
             assert got["loss"] == pytest.approx(ref[s]["loss"], rel=1e-10)
             torch.testing.assert_close(got["gx"], ref[s]["gx"][a:b] * 2, rtol=1e-8, atol=1e-10)
             torch.testing.assert_close(got["weight"], ref[s]["weight"][start: start + count], rtol=1e-9, atol=1e-10)
+
+
+def _run_bad_label(rank, world, classes):
+    cg, rg = layout(world, classes)
+    head = ClassParallelHead(D, C, group=cg, replica_group=rg, dtype=torch.float64, seed=SEED)
+    x, y = batch(rank, 0)
+    if rank == 1:
+        x, y = torch.zeros(2, D, dtype=torch.float64), torch.tensor([0, C + 3])
+    try:
+        head(x, y)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_2d_bad_input_raises_in_every_class_group(pools):
+    """A bad label in class group {0, 1} raises there and, through the replica all-reduce, in
+    class group {2, 3} as well: no rank is left waiting in a collective."""
+    errors = pools(4).run(_run_bad_label, 2)
+    assert all(e is not None for e in errors), errors
+    assert f"label {C + 3}" in errors[1] and "another rank" in errors[0]
+    assert all("other class group" in e for e in errors[2:]), errors
