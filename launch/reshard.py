@@ -21,6 +21,10 @@ What moves where (the input is never modified; the output is a new folder, ``lat
   recorded world size updated. ZeRO 1/2 optimizer partitions (``*zero_pp_rank_*``) are split
   by world size and are refused unless the world size is unchanged.
 
+A 2-D head layout (classes x replicas) stores one file per class shard: ``--world_size`` is the
+number of class shards; the replica dimension needs nothing (every replica loads its class
+rank's shard), and the per-replica sampler streams are dropped like the other sampler state.
+
 Every input file is read with ``torch.load(weights_only=True)``.
 """
 from __future__ import annotations
@@ -227,7 +231,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load_dir", required=True, help="the checkpoint folder (XCEngine.save_checkpoint's save_dir)")
     p.add_argument("--tag", help="the tag to reshard (default: the one in LOAD_DIR/latest)")
-    p.add_argument("--world_size", type=int, required=True, help="number of ranks to reshard for")
+    p.add_argument("--world_size", type=int, required=True, help="number of class shards to reshard for (the ranks of a 1-D head; a 2-D layout: its class-group size)")
     p.add_argument("--out_dir", required=True, help="new folder to write (must not exist or be empty)")
     return p.parse_args(argv)
 

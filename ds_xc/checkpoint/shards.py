@@ -8,6 +8,13 @@ Layout inside a checkpoint tag directory::
 
 Each shard records its class range, so a checkpoint can be merged (launch/export.py) or
 resharded to another world size (launch/reshard.py) without the processes that wrote it.
+
+2-D layout (a head with a replica group): the replicas of a shard hold the same weights and
+optimizer state, so only replica 0 of each class group writes it, named by its class rank;
+``world_size`` counts the class shards and meta.json records the layout
+(``{"class_shards": Pc, "replicas": Pr}``). Every replica's sampler stream is kept in the
+shard file (``replica_samplers``). Any layout loads it: each rank reads the shard of its
+class rank (reshard first when the class count of shards differs).
 """
 from __future__ import annotations
 
@@ -36,24 +43,35 @@ def shard_file(tag_dir: str, rank: int, world_size: int) -> str:
 
 
 
-def write_meta(tag_dir: str, num_classes: int, world_size: int, embedding_dim: int) -> str:
-    """Write ``<tag>/ds_xc_head/meta.json`` (what every shard of the checkpoint must agree with)."""
+def write_meta(tag_dir: str, num_classes: int, world_size: int, embedding_dim: int, replicas: int = 1) -> str:
+    """Write ``<tag>/ds_xc_head/meta.json`` (what every shard of the checkpoint must agree with);
+    ``world_size`` is the number of class shards, ``replicas`` the copies of each (2-D layout)."""
     path = os.path.join(tag_dir, HEAD_DIR, META_FILE)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     atomic_json({"num_classes": num_classes, "world_size": world_size, "embedding_dim": embedding_dim,
-                  "shard_sizes": shard_sizes(num_classes, world_size), "format": 1}, path)
+                  "shard_sizes": shard_sizes(num_classes, world_size), "format": 1,
+                  "layout": {"class_shards": world_size, "replicas": int(replicas)}}, path)
     return path
 
 
-def save_head_state(tag_dir: str, head, optimizer=None) -> str:
-    """Write this rank's shard (weights, extra state, optimizer state) under ``tag_dir``."""
+def save_head_state(tag_dir: str, head, optimizer=None) -> Optional[str]:
+    """Write this rank's shard (weights, extra state, optimizer state) under ``tag_dir``; returns its
+    path, or None on a replica > 0 of a 2-D layout (replica 0 writes the shard it shares; collective
+    over the replica group, which gathers every replica's sampler state into that file)."""
     path = shard_file(tag_dir, head.rank, head.world_size)
-    atomic_save({"head": head.state_dict(),
-                 "optimizer": optimizer.state_dict() if optimizer is not None else None,
-                 "class_start": head.class_start, "num_local": head.num_local,
-                 "num_classes": head.num_classes, "world_size": head.world_size}, path)
+    replicas = getattr(head, "replicas", None)
+    samplers = replicas.gather_states(head.sampler.state_dict()) if replicas is not None else None
+    if replicas is not None and replicas.rank != 0:
+        return None
+    state = {"head": head.state_dict(), "optimizer": optimizer.state_dict() if optimizer is not None else None,
+             "class_start": head.class_start, "num_local": head.num_local,
+             "num_classes": head.num_classes, "world_size": head.world_size}
+    if samplers is not None:
+        state["replica_samplers"] = samplers  # (Pr,) sampler state dicts, in replica order
+    atomic_save(state, path)
     if head.rank == 0:
-        write_meta(tag_dir, head.num_classes, head.world_size, head.embedding_dim)
+        write_meta(tag_dir, head.num_classes, head.world_size, head.embedding_dim,
+                   replicas.size if replicas is not None else 1)
     log.info("saved head shard %s", path)
     return path
 
@@ -184,6 +202,8 @@ def apply_head_state(head, optimizer, state: dict) -> None:
     on the CPU).
     """
     head.load_state_dict(state["head"])
+    if getattr(head, "replicas", None) is not None:  # 2-D: each replica's own sampler stream, if saved
+        head.replicas.restore_sampler(head.sampler, state.get("replica_samplers"))
     if optimizer is not None and state.get("optimizer") is not None:
         optimizer.load_state_dict(state["optimizer"])
     log.info("loaded head shard of rank %d", head.rank)

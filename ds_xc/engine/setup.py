@@ -132,7 +132,9 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
 
     ``config`` is the whole DeepSpeed config (dict or path; or pass ``args.deepspeed_config``);
     its ``extreme_classification`` section describes the head. ``head_group`` is the group
-    the classes are sharded over (a ProcessGroup or 1-D DeviceMesh; default: the world).
+    the classes are sharded over (a ProcessGroup or 1-D DeviceMesh; default: the world). The
+    head built here is 1-D: the 2-D layout (``ClassParallelHead(replica_group=...)``) is for
+    plain torch.distributed / DDP for now (docs/head.md, "2-D layout").
     Collective over the world (as ``deepspeed.initialize``): the groups ds_xc adds (the
     non-finite verdict's, the overlap schedule's) are created by every rank
     (``ds_xc.parallel.groups.copy_subgroups``). The backbone's reduction (compression,

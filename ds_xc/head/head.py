@@ -28,8 +28,10 @@ from ds_xc import config as cfg
 from ds_xc.head.checks import BAD_INPUT, Verdict, decide, fill_verdict, local_problem
 from ds_xc.head.margins import TargetLoss, build_loss
 from ds_xc.head.partition import shard_range
+from ds_xc.head.replicas import Replicas
 from ds_xc.head.softmax import sharded_margin_loss
-from ds_xc.parallel.collectives import all_gather_no_grad, all_gather_rows, exchange_sizes, merge_topk, replicated_rows
+from ds_xc.parallel.collectives import (all_gather_no_grad, all_gather_rows, exchange_sizes, merge_topk,
+                                        replicated_rows, scale_grad)
 from ds_xc.parallel.groups import group_rank, group_size, is_distributed, resolve_group
 from ds_xc.sampling import ActiveSet, build_sampler
 from ds_xc_ops.logs import log_once
@@ -101,13 +103,17 @@ class ClassParallelHead(nn.Module):
             the same rows, as under tensor parallelism: no gather, the loss is the mean over the
             given rows, and every rank gets the full gradient with respect to them, the partial
             gradients all-reduced over ``group``). Every sampler works on either.
+        replica_group: the ranks holding a copy of this shard (2-D layout, ds_xc/head/replicas.py;
+            None: no replicas). The loss is then the mean over the union of every rank's rows and the
+            shard gradient is summed over ``replica_group`` before the head optimizer steps.
     """
 
     def __init__(self, embedding_dim: int, num_classes: int, loss="softmax", sampler="full",
                  group=None, chunk_size: int = 0, dtype: Union[str, torch.dtype] = torch.float32,
                  init_std: float = 0.01, seed: int = 0, update: str = "dense",
                  check_inputs: bool = True, nonfinite: str = "raise", device=None,
-                 softmax_backend: str = "torch", check_interval: int = 1, input_parallel: str = "data"):
+                 softmax_backend: str = "torch", check_interval: int = 1, input_parallel: str = "data",
+                 replica_group=None):
         super().__init__()
         if isinstance(dtype, str):
             if dtype not in _DTYPES:
@@ -125,6 +131,7 @@ class ClassParallelHead(nn.Module):
             raise cfg.ConfigError(f"{cfg.HEAD_SECTION}.chunk_size: got {chunk_size}; must be >= 0")
         self.group = resolve_group(group)  # None: the world, named explicitly
         self.rank, self.world_size = group_rank(group), group_size(group)
+        self.replicas = Replicas(replica_group)  # the 2-D layout's second dimension (inactive: 1-D)
         self.embedding_dim, self.num_classes = int(embedding_dim), int(num_classes)
         self.class_start, self.num_local = shard_range(self.num_classes, self.world_size, self.rank)
         self.loss_fn: TargetLoss = build_loss(loss)
@@ -149,7 +156,7 @@ class ClassParallelHead(nn.Module):
         self.weight = nn.Parameter(init_shard(self.num_classes, self.embedding_dim, self.class_start,
                                               self.num_local, init_std, seed, dtype, device))
         self.sampler = build_sampler(self.sampler_config, self.num_local, self.class_start, seed,
-                                     self.rank, self.weight.device)
+                                     self.replicas.sampler_rank(self.rank, self.world_size), self.weight.device)
         self.sampler.dense_updates = update == "dense"  # every row changes each step: re-encode all
         self.sampler.metric = "cosine" if self.loss_fn.normalised else "dot"  # what the logits rank by
         self.sampler.num_classes = self.num_classes  # ann: shards take their share of head-wide budgets
@@ -157,19 +164,19 @@ class ClassParallelHead(nn.Module):
         self.lazy_catch_up = None  # update lazy_exact: the optimizer's catch_up(rows or None)
         self.sampler.before_read = self._catch_up_rows  # the sampler's reads of the weights see current rows
         self.last_metrics: dict = {}
-        log.info("ClassParallelHead rank %d/%d: classes [%d, %d) of %d, d=%d, loss=%s, sampler=%s",
-                 self.rank, self.world_size, self.class_start, self.class_start + self.num_local,
-                 self.num_classes, self.embedding_dim, self.loss_fn.describe(), self.sampler_config.type)
+        log.info("ClassParallelHead rank %d/%d: classes [%d, %d) of %d, d=%d, loss=%s, sampler=%s %s",
+                 self.rank, self.world_size, self.class_start, self.class_start + self.num_local, self.num_classes,
+                 self.embedding_dim, self.loss_fn.describe(), self.sampler_config.type, self.replicas.describe())
 
     @classmethod
-    def from_config(cls, section, group=None, device=None) -> "ClassParallelHead":
+    def from_config(cls, section, group=None, device=None, replica_group=None) -> "ClassParallelHead":
         """Build from the ``extreme_classification`` section (a plain dict or a HeadConfig)."""
         c = cfg.validate_section(cfg.HeadConfig, section, cfg.HEAD_SECTION)
         return cls(c.embedding_dim, c.num_classes, loss=c.loss, sampler=c.sampler, group=group,
                    chunk_size=c.chunk_size, dtype=c.dtype, init_std=c.init_std, seed=c.seed,
                    update=c.optimizer.update, check_inputs=c.check_inputs, nonfinite=c.nonfinite, device=device,
                    softmax_backend=c.softmax_backend, check_interval=c.check_interval,
-                   input_parallel=c.input_parallel)
+                   input_parallel=c.input_parallel, replica_group=replica_group)
 
     def extra_repr(self) -> str:
         return (f"embedding_dim={self.embedding_dim}, num_classes={self.num_classes}, "
@@ -262,10 +269,11 @@ class ClassParallelHead(nn.Module):
         every sample weighs the same whatever its rank's batch size (equal batches: the
         gradient of the local mean, as before).
         """
+        dp = self.replicas.size  # 2-D: the data-parallel ranks are the class group times the replicas
         if self.input_parallel == "replicated":  # the rows are the global batch already: (B, d), (B,)
-            return replicated_rows(embeddings, self.group), labels.to(torch.int64)
+            return replicated_rows(scale_grad(embeddings, float(dp)), self.group), labels.to(torch.int64)
         sizes = None if batch_sizes is None or len(set(batch_sizes)) <= 1 else list(batch_sizes)
-        x = all_gather_rows(embeddings, self.group, sizes, grad_scale=float(self.world_size))
+        x = all_gather_rows(embeddings, self.group, sizes, grad_scale=float(self.world_size * dp))
         y = all_gather_no_grad(labels.to(torch.int64), self.group, sizes)
         return x, y
 
@@ -278,8 +286,15 @@ class ClassParallelHead(nn.Module):
         exchanged in the input check's all-reduce. When given, they are checked against the
         exchanged ones in checked steps and trusted (no sync) in unchecked ones.
         """
-        verdict = self.check_batch(embeddings, labels, batch_sizes)
-        if verdict is None:  # non-finite input, nonfinite="skip": agreed by every rank
+        try:
+            verdict = self.check_batch(embeddings, labels, batch_sizes)
+        except Exception:
+            self.replicas.agree_rows(None, failed=True, device=self.weight.device)  # other class groups raise too
+            raise
+        rows = None if verdict is None else (verdict.sizes[0] if self.input_parallel == "replicated"
+                                             else sum(verdict.sizes))
+        total_rows = self.replicas.agree_rows(rows, device=self.weight.device)  # N of the 2-D global batch
+        if total_rows is None:  # non-finite input, nonfinite="skip": agreed by every rank (and replica)
             return torch.full((), float("nan"), device=embeddings.device)
         x, y = self.gather(embeddings, labels, verdict.sizes)  # (N, d), (N,)
         active = self.sampler.sample(y, x.detach() if self.sampler.needs_embeddings else None, self.weight)
@@ -299,7 +314,7 @@ class ClassParallelHead(nn.Module):
             if active.bounds is not None:
                 part = part * ((rows.stop - rows.start) / max(n, 1))
             total = part if total is None else total + part
-        return self.flag_unchecked(total, y, verdict)
+        return self.replicas.global_loss(self.flag_unchecked(total, y, verdict), n, total_rows)
 
     # ------------------------------------------------------------------ sampler upkeep and metrics
     def rebuild_index(self) -> None:

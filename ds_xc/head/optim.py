@@ -351,7 +351,11 @@ def resolved_update(head, update: str) -> str:
 def build_head_optimizer(head, section) -> Optimizer:
     """The head's optimizer from ``extreme_classification.optimizer`` (dict or model); ``update: auto``
     runs the head's mode (ClassParallelHead resolves auto: dense for the full sampler, lazy_exact for
-    sampled heads, lazy for bfloat16 sampled heads)."""
+    sampled heads, lazy for bfloat16 sampled heads).
+
+    A head with a replica group (2-D layout) gets a step pre-hook that sums the shard gradient
+    over its replicas (``head.replicas.reduce_grad_``): every replica then steps on the same
+    gradient, with the same bf16 rounding stream (seeded by the class rank), into the same state."""
     c = cfg.validate_section(cfg.HeadOptimizerConfig, section, f"{cfg.HEAD_SECTION}.optimizer")
     update = resolved_update(head, c.update)
     lazy, exact = update in ("lazy", "frozen"), update == "lazy_exact"
@@ -366,4 +370,7 @@ def build_head_optimizer(head, section) -> Optimizer:
                         lazy=lazy, exact=exact, **bf16)
     if exact and hasattr(head, "lazy_catch_up"):  # the head catches rows up before it reads them
         head.lazy_catch_up = opt.catch_up
+    replicas = getattr(head, "replicas", None)
+    if replicas is not None and replicas.active:  # 2-D layout: the replicas' gradients summed before each step
+        opt.register_step_pre_hook(lambda optimizer, args, kwargs: replicas.reduce_grad_(head.weight))
     return opt

@@ -76,6 +76,9 @@ class ChunkedHeadSchedule:
         if head.input_parallel != "data":  # nothing to overlap: the replicated head has no gather
             raise ValueError(f"ChunkedHeadSchedule: the head has input_parallel={head.input_parallel!r}; the overlap "
                              "schedule hides the gathers and reduce-scatters of input_parallel='data' only")
+        if getattr(head, "replicas", None) is not None and head.replicas.active:  # not wired for 2-D yet
+            raise ValueError("ChunkedHeadSchedule: the head has a replica group (2-D layout); the overlap schedule "
+                             "runs 1-D heads only (replica_group=None); run the 2-D head's own forward")
         self.head, self.num_chunks, self.overlap = head, int(num_chunks), bool(overlap)
         self.timeline = timeline if timeline is not None else Timeline(head.weight.device)
         self.comm_group = comm_group if comm_group is not None else side_group(head.group)

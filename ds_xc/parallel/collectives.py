@@ -25,7 +25,7 @@ from ds_xc.parallel.groups import group_rank, group_size, is_distributed
 
 __all__ = ["all_gather_rows", "all_gather_no_grad", "replicated_rows", "exchange_sizes", "gather_flat",
            "reduce_scatter_flat", "PaddedGather", "PaddedReduceScatter", "gather_stacked", "merge_topk",
-           "all_reduce_mean_", "PendingMean"]
+           "all_reduce_mean_", "PendingMean", "scale_grad"]
 
 # torch 2.13 renamed the flat-tensor collectives; keep older torch (>= 2.4) working too
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -221,6 +221,11 @@ def replicated_rows(x: torch.Tensor, group=None) -> torch.Tensor:
     if not is_distributed(group):
         return x
     return _ReplicatedRows.apply(x, group)
+
+
+def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x`` as it is, with its gradient multiplied by ``scale`` in backward (no-op for 1.0)."""
+    return x if scale == 1.0 else _ScaleGrad.apply(x, float(scale))
 
 
 class _ScaleGrad(torch.autograd.Function):
