@@ -181,7 +181,9 @@ def _build_data(tcfg, hcfg, rank: int):
     if rank != 0:
         dist.barrier()  # rank 0 builds any cache first
     data_kwargs = {"context": tcfg.context} if tcfg.data in ("text", "corpus") else {}
-    if tcfg.data == "corpus":
+    if tcfg.data == "text":
+        data_kwargs.update(mode=tcfg.text_mode, vocab_size=tcfg.text_vocab_size or None)
+    elif tcfg.data == "corpus":
         data_kwargs.update(mode=tcfg.corpus_mode, vocab_size=tcfg.corpus_vocab_size or None)
     data = build_dataset(tcfg.data, hcfg.num_classes, seed=tcfg.seed, **data_kwargs)
     if rank == 0:
