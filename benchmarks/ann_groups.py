@@ -53,7 +53,7 @@ def quality(args, task_name: str) -> dict:
 
     torch.set_num_threads(args.threads)
     data, backbone, weight, loss, res = ann_recall.trained_model(args, task_name)
-    raw = load_raw_config(os.path.join(sa.ROOT, "configs", "default.json"))
+    raw = load_raw_config(sa.BASE_CONFIG)
     batch = raw["train_micro_batch_size_per_gpu"]
     head_opt = dict(raw["extreme_classification"]["optimizer"], update="lazy")
     batches = []
@@ -182,7 +182,7 @@ def render(tasks: list, scale_rows: list, args, command: str, started: str, wall
             "## Quality on trained weights (part A)",
             "",
             f"Trained weights: the exact-softmax runs of sampler_accuracy.py; {args.batches} training batches "
-            "(global batch N of configs/default.json) embedded by the trained backbone; averages over the batches. "
+            "(global batch N of configs/text_exact_20k.json) embedded by the trained backbone; averages over the batches. "
             "`budget/row` = K*G/N; `gathered` = rows gathered over the G groups (G*K), `distinct` = distinct "
             "classes among them; `kept`/`cut`/`fill`: retrieved candidates that fit / did not fit the budgets, "
             "uniform filler (summed over groups); `step ms`: one training step of the head (sampler + gathers + "

@@ -292,7 +292,7 @@ def add_common_args(p, smoke_classes: int = 20_000) -> None:
     p.add_argument("--sample_rate", type=float, default=0.1, help="sample rate of the sampled heads")
     p.add_argument("--ann", action="append", default=[], metavar="KEY=JSON",
                    help="override an ann sampler key, e.g. --ann nprobe=16 (repeatable)")
-    p.add_argument("--chunk", type=int, default=128, help="chunk_size of every variant (configs/default.json: 128)")
+    p.add_argument("--chunk", type=int, default=128, help="chunk_size of every variant (configs/text_exact_20k.json: 128)")
     p.add_argument("--worlds", "--ranks", dest="worlds", type=str, default="1,2",
                    help="comma-separated world sizes, e.g. 1,2,4 (more ranks than cores time-share them: "
                         "read the CPU seconds per rank)")

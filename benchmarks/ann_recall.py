@@ -67,7 +67,7 @@ def trained_model(args, task_name: str):
     with open(os.path.join(ckpt, "latest")) as fh:
         tag = fh.read().strip()
     task = sa.TASKS[task_name]
-    raw = load_raw_config(os.path.join(sa.ROOT, "configs", "default.json"))
+    raw = load_raw_config(sa.BASE_CONFIG)
     head_cfg, train_cfg = raw["extreme_classification"], raw["xc_train"]
     loss = task["set"].get("extreme_classification.loss", head_cfg.get("loss", {"type": "softmax"}))
     kwargs = {"context": train_cfg.get("context", 4)} if task["data"] == "text" else {}

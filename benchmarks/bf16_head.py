@@ -47,8 +47,8 @@ def config_sets(dtype: str, mode: str | None) -> dict:
 
 
 def head_section(task: dict, num_classes: int, sets: dict, seed: int) -> dict:
-    """The run's extreme_classification section: configs/default.json + the task's and our sets."""
-    with open(os.path.join(ROOT, "configs", "default.json")) as fh:
+    """The run's extreme_classification section: sampler_accuracy's base config + the task's and our sets."""
+    with open(sa.BASE_CONFIG) as fh:
         section = json.load(fh)["extreme_classification"]
     section.update(num_classes=num_classes, seed=seed)
     for key, value in {**task["set"], **sets}.items():
@@ -169,7 +169,7 @@ def render(results: list, args, command: str, started: str, wall_s: float) -> st
              f"- CPU: {cpu_model()}, {usable_cores()} cores usable, shared with other jobs (`s` is not comparable)",
              f"- every run: launch/train.py via benchmarks/sampler_accuracy.py's tasks, exact head (`sampler: full`, "
              f"dense updates), seeds {args.seed_list} (xc_train.seed = extreme_classification.seed); "
-             "configs/default.json otherwise (global batch 256, AdamW lr 2e-3 with weight decay 0 on the head "
+             "configs/text_exact_20k.json otherwise (global batch 256, AdamW lr 2e-3 with weight decay 0 on the head "
              "unless the task says otherwise)",
              "- memory: weights + head-optimizer state, bytes of the tensors after one step of the same "
              "head and optimizer (world size 1); `B/elt`: bytes per weight element",

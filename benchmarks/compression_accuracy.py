@@ -8,8 +8,8 @@ with error feedback (plus any ``--extra`` variants). Bytes are per rank and per 
 the ring algorithms move them (what the wrapper counts; dense: 2 (P-1)/P x the fp32
 gradient bytes, which is what DeepSpeed's all-reduce moves).
 
-    python benchmarks/compression_accuracy.py                     # default.json, 300 steps (~20 min)
-    python benchmarks/compression_accuracy.py --configs configs/default.json,configs/arcface_partial_fc.json
+    python benchmarks/compression_accuracy.py                     # text_exact_20k.json, 300 steps (~20 min)
+    python benchmarks/compression_accuracy.py --configs configs/text_exact_20k.json,configs/arcface_partial_fc.json
     python benchmarks/compression_accuracy.py --variants 'dense;k4=bayes_prior:{"exploit_power": 4}'
     python benchmarks/compression_accuracy.py --smoke             # 10 steps, prints only
 """
@@ -126,7 +126,7 @@ def render(rows: list[dict], args, command: str, started: str, wall: float) -> s
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default="configs/default.json")
+    p.add_argument("--configs", default="configs/text_exact_20k.json")
     p.add_argument("--variants", default="dense;topk;randomk;bayes_prior",
                    help=f"';'-separated names from: {', '.join(VARIANTS)}; or NAME=METHOD:JSON for a new one")
     p.add_argument("--density", type=float, default=0.01)

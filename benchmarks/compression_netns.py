@@ -56,7 +56,7 @@ def main(argv=None) -> str:
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--wire_n", type=int, default=10**7)
     p.add_argument("--wire_steps", type=int, default=12)
-    p.add_argument("--config", default="configs/default.json")
+    p.add_argument("--config", default="configs/text_exact_20k.json")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--skip", default="", help="'wire' or 'train' to leave a part out")
     p.add_argument("--timeout", type=float, default=1800)

@@ -9,7 +9,7 @@ compressed optimizer to the engine (``ds_xc.compression.attach_to_engine``). Sam
 order and steps as train.py. Rank 0 writes a JSON summary to ``--out``:
 
     RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29600 \\
-        python benchmarks/compression_train.py --config configs/default.json --method topk --steps 20 --out -
+        python benchmarks/compression_train.py --config configs/text_exact_20k.json --method topk --steps 20 --out -
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ METHODS = ("dense", "none", "topk", "randomk", "bayes_prior")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=os.path.join(ROOT, "configs", "default.json"))
+    p.add_argument("--config", default=os.path.join(ROOT, "configs", "text_exact_20k.json"))
     p.add_argument("--method", choices=METHODS, default="bayes_prior",
                    help="dense: DeepSpeed's own all-reduce; none: the wrapper's dense path")
     p.add_argument("--compression", default="{}", help="JSON of extra gradient_compression keys")
@@ -55,7 +55,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     import ds_xc
     from ds_xc.compression import attach_to_engine
-    from ds_xc.data import build_dataset
+    from ds_xc.data import build_dataset, dataset_kwargs
     from ds_xc.engine import init_distributed, load_raw_config
     from ds_xc.evaluate import evaluate_topk
     from ds_xc.models import build_backbone
@@ -74,8 +74,7 @@ def main(argv=None) -> dict:
     tcfg, hcfg = xcfg.xc_train, xcfg.extreme_classification
     if rank != 0:
         dist.barrier()  # rank 0 builds any data cache first
-    data = build_dataset(tcfg.data, hcfg.num_classes, seed=tcfg.seed,
-                         **({"context": tcfg.context} if tcfg.data == "text" else {}))
+    data = build_dataset(tcfg.data, hcfg.num_classes, seed=tcfg.seed, **dataset_kwargs(tcfg))
     if rank == 0:
         dist.barrier()
     torch.manual_seed(tcfg.seed)

@@ -11,7 +11,7 @@ the active rows). Three tasks:
   with AdamW on the head, Adam's per-row normalisation turns the tiny gradients of easy
   negatives into full-size steps, which changes what the choice of negatives does;
 * ``text``: next-word prediction over the Python standard library, plain softmax
-  (configs/default.json as it is).
+  (configs/text_exact_20k.json as it is: launch/train.py's default job before issue 16).
 
 Each run's ``--summary_json`` (final top-1/top-5, the evaluation history, sampler stats)
 is kept under ``--work_dir`` and reused unless ``--rerun``; the report is a markdown
@@ -42,8 +42,11 @@ from harness import (ROOT, cpu_model, git_rev, load_average, parse_key_json, usa
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DEFAULT_WORK = os.path.join(os.environ.get("TMPDIR", "/tmp"), "ds_xc_bench", "sampler_accuracy")
 TRAIN = os.path.join(ROOT, "launch", "train.py")
+# Every task's base config: the 20,000-class exact text job (configs/default.json until issue 16;
+# the default job is now a sampled head over word pairs, which would change every task's meaning).
+BASE_CONFIG = os.path.join(ROOT, "configs", "text_exact_20k.json")
 
-# Task recipes: train.py flags and --set overrides on top of configs/default.json.
+# Task recipes: train.py flags and --set overrides on top of BASE_CONFIG.
 TASKS = {
     "synthetic": {
         "data": "synthetic", "num_classes": 50_000, "steps": 600, "eval_every": 100,
@@ -100,8 +103,9 @@ def train_command(task: dict, sampler: dict, steps: int, eval_every: int, num_cl
     sets["extreme_classification.seed"] = seed
     if sampler["type"] != "full" and "extreme_classification.optimizer.update" not in (extra_sets or {}):
         sets["extreme_classification.optimizer.update"] = "lazy"  # unless --set gives it explicitly
-    cmd = [sys.executable, TRAIN, "--data", task["data"], "--num_classes", str(num_classes),
-           "--max_steps", str(steps), "--eval_every", str(eval_every), "--summary_json", summary]
+    cmd = [sys.executable, TRAIN, "--deepspeed_config", BASE_CONFIG, "--data", task["data"],
+           "--num_classes", str(num_classes), "--max_steps", str(steps), "--eval_every", str(eval_every),
+           "--summary_json", summary]
     for key, value in sets.items():
         cmd += ["--set", f"{key}={json.dumps(value, separators=(',', ':'))}"]
     if save_dir:
@@ -158,7 +162,7 @@ def render(results: list, args, command: str, started: str, wall_s: float) -> st
         f"in the `load` column (other jobs share these cores, so `s` is not comparable across runs)",
         f"- ds_xc at git {git_rev()}",
         "- same seeds everywhere (xc_train.seed = extreme_classification.seed = "
-        f"{args.seed}: data order, backbone and head init); configs/default.json otherwise (global batch 256, "
+        f"{args.seed}: data order, backbone and head init); configs/text_exact_20k.json otherwise (global batch 256, "
         "AdamW lr 2e-3 for backbone and head unless the task says otherwise, chunk_size 128); sampled heads "
         f"use `optimizer.update: {args.sets.get('extreme_classification.optimizer.update', 'lazy')}`",
         *([f"- overrides for every run (`--set`): `{json.dumps(args.sets)}`"] if args.sets else []),

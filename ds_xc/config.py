@@ -343,6 +343,13 @@ class TrainConfig(_Section):
     save_every: int = Field(0, ge=0, description="Checkpoint every N steps (0 = only at the end, if save_dir).")
     hidden_dim: int = Field(256, ge=1, description="Hidden width of the built-in backbone.")
     context: int = Field(4, ge=1, le=64, description="Previous words used as input (text and corpus data).")
+    text_mode: Literal["word", "bigram"] = Field(
+        "word", description="text data: the label is the next word (num_classes = vocabulary size, up to "
+        "about 1.1e5 words) or the pair of the next two words (num_classes pair classes, about 9e5 exist; "
+        "docs/data.md).")
+    text_vocab_size: int = Field(0, ge=0, le=250_000, description="text data, bigram mode: input word "
+                                 "vocabulary, 1e3 to 2.5e5; 0 = 20000. Must be 0 in word mode (the "
+                                 "vocabulary is extreme_classification.num_classes).")
     corpus_mode: Literal["word", "bigram"] = Field(
         "word", description="corpus data: the label is the next word (num_classes = vocabulary size, "
         "useful from 1e4 to 2.5e5) or the pair of the next two words (num_classes pair classes, "
@@ -356,12 +363,14 @@ class TrainConfig(_Section):
                                   "exits naming the lost peer when it can.")
 
     @model_validator(mode="after")
-    def _check_corpus(self):
-        if self.corpus_vocab_size and self.corpus_vocab_size < 10_000:
-            raise ValueError(f"corpus_vocab_size={self.corpus_vocab_size} must be 0 or in [10000, 250000]")
-        if self.corpus_vocab_size and self.corpus_mode == "word":
-            raise ValueError(f"corpus_vocab_size={self.corpus_vocab_size} applies to corpus_mode='bigram' "
-                             "only: in word mode the vocabulary is extreme_classification.num_classes; use 0")
+    def _check_vocab_sizes(self):
+        for name, least in (("text", 1_000), ("corpus", 10_000)):
+            size, mode = getattr(self, f"{name}_vocab_size"), getattr(self, f"{name}_mode")
+            if size and size < least:
+                raise ValueError(f"{name}_vocab_size={size} must be 0 or in [{least}, 250000]")
+            if size and mode == "word":
+                raise ValueError(f"{name}_vocab_size={size} applies to {name}_mode='bigram' only: in word "
+                                 "mode the vocabulary is extreme_classification.num_classes; use 0")
         return self
 
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 import ds_xc  # noqa: E402
-from ds_xc.data import build_dataset  # noqa: E402
+from ds_xc.data import build_dataset, dataset_kwargs  # noqa: E402
 from ds_xc.engine import describe_comm_failure, init_distributed, is_comm_failure, load_raw_config  # noqa: E402
 from ds_xc.evaluate import evaluate_topk  # noqa: E402
 from ds_xc.parallel.agree import all_or_none  # noqa: E402
@@ -180,10 +180,7 @@ def _build_data(tcfg, hcfg, rank: int):
             "cached afterwards)...")
     if rank != 0:
         dist.barrier()  # rank 0 builds any cache first
-    data_kwargs = {"context": tcfg.context} if tcfg.data in ("text", "corpus") else {}
-    if tcfg.data == "corpus":
-        data_kwargs.update(mode=tcfg.corpus_mode, vocab_size=tcfg.corpus_vocab_size or None)
-    data = build_dataset(tcfg.data, hcfg.num_classes, seed=tcfg.seed, **data_kwargs)
+    data = build_dataset(tcfg.data, hcfg.num_classes, seed=tcfg.seed, **dataset_kwargs(tcfg))
     if rank == 0:
         dist.barrier()
     return data
@@ -303,6 +300,21 @@ def _save(job: Job, step: int) -> None:
 
 
 # ---------------------------------------------------------------------- the end
+def _active_share(job: Job) -> Optional[dict]:
+    """Active classes per step over every rank's shard, and their share of the classes (per
+    sample group of the ann sampler), at the last training step; the exact head: every class.
+    None when a sampled head ran no training step here (nothing measured)."""
+    head = job.xc.head
+    groups = getattr(head.sampler_config, "groups", 1)
+    stats = head.sampler_stats()
+    if head.sampler_config.type != "full" and "active" not in stats:
+        return None
+    active = torch.tensor([float(stats.get("active", head.num_local * groups))], dtype=torch.float64)
+    dist.all_reduce(active, group=head.group)  # shards of the head's group -> all its classes
+    per_group = active.item() / groups
+    return {"active_classes": per_group, "share": per_group / job.hcfg.num_classes}
+
+
 def _finish(job: Job) -> dict:
     """The final evaluation, verification and checkpoint; returns the summary (written to --summary_json)."""
     elapsed = time.perf_counter() - job.t0
@@ -315,6 +327,7 @@ def _finish(job: Job) -> dict:
     _save(job, job.tcfg.max_steps)
     xc = job.xc
     summary = {"steps": job.tcfg.max_steps - job.start, "samples_per_s": job.samples / max(elapsed, 1e-9),
+               "sampler": job.hcfg.sampler.type, "num_classes": job.hcfg.num_classes, "active": _active_share(job),
                "top1": ev["top1"], "top5": ev["top5"], "eval_samples": ev["samples"],
                "final_loss": final_loss, "seconds": elapsed, "world_size": job.world,
                "evals": job.history, "sampler_stats": xc.head.sampler_stats(),
@@ -332,6 +345,7 @@ def _print_summary(job: Job, summary: dict) -> None:
     say(f"done: {summary['steps']} steps in {summary['seconds']:.1f} s, {summary['samples_per_s']:.0f} samples/s, "
         f"final loss {summary['final_loss']:.4f}, held-out top-1 {ev['top1']:.4f} top-5 {ev['top5']:.4f} "
         f"({ev['samples']} samples)")
+    say(_head_line(job, summary))
     if verified:
         say(f"verification on held-out designs: TAR {verified['tar@far=0.001']:.4f} at FAR 1e-3, "
             f"{verified['tar@far=0.0001']:.4f} at FAR 1e-4 ({verified['genuine_pairs']} genuine, "
@@ -350,6 +364,17 @@ def _print_summary(job: Job, summary: dict) -> None:
         say(f"overlap pipeline ({job.hcfg.overlap.num_chunks} chunks): per micro-step {ov['step_s'] * 1e3:.1f} ms, "
             f"of which communication exposed {ov['exposed_s'] * 1e3:.1f} ms ({ov['issued']:.0f} collectives, "
             f"{ov['issued_mb']:.2f} MiB issued)")
+
+
+def _head_line(job: Job, summary: dict) -> str:
+    """What the head did: its sampler, the active share of the classes, the held-out accuracy."""
+    sampler, active, ev = job.hcfg.sampler, summary["active"], job.ev
+    rate = f" (sample_rate {sampler.sample_rate})" if hasattr(sampler, "sample_rate") else " (exact softmax)"
+    share = ("active share not measured (no training step)" if active is None else
+             f"{active['active_classes']:,.0f} of {summary['num_classes']:,} classes active per step "
+             f"(share {active['share']:.4f})")
+    return (f"head: {job.hcfg.loss.type} loss, sampler {sampler.type}{rate}, {share}; "
+            f"held-out top-1 {ev['top1']:.4f} top-5 {ev['top5']:.4f}")
 
 
 if __name__ == "__main__":

@@ -210,9 +210,10 @@ def _satisfy_cross_field_rules(raw):
         o["momentum"] = 0.5
     if comp.get("momentum_correction", 0.0) > 0.0:
         comp["error_feedback"] = True
-    if train.get("corpus_vocab_size", 0) and (train["corpus_vocab_size"] < 10_000
-                                               or train.get("corpus_mode", "word") == "word"):
-        train["corpus_vocab_size"] = 0
+    for name, least in (("text", 1_000), ("corpus", 10_000)):
+        size = train.get(f"{name}_vocab_size", 0)
+        if size and (size < least or train.get(f"{name}_mode", "word") == "word"):
+            train[f"{name}_vocab_size"] = 0
 
 
 @fuzz(300)

@@ -18,6 +18,16 @@ DATASETS: dict[str, type[XCDataset]] = {
     "synthetic": SyntheticDataset, "text": TextDataset, "corpus": CorpusDataset, "glyphs": GlyphDataset}
 
 
+def dataset_kwargs(train) -> dict:
+    """The constructor arguments that an ``xc_train`` section (ds_xc.config.TrainConfig) gives
+    its data set, besides num_classes and seed: the context and label mode of text and corpus."""
+    if train.data == "text":
+        return {"context": train.context, "mode": train.text_mode, "vocab_size": train.text_vocab_size or None}
+    if train.data == "corpus":
+        return {"context": train.context, "mode": train.corpus_mode, "vocab_size": train.corpus_vocab_size or None}
+    return {}
+
+
 def build_dataset(name: str, num_classes: int, seed: int = 0, **kwargs) -> XCDataset:
     """The data set registered as ``name``; ``kwargs`` go to its constructor."""
     if name not in DATASETS:
@@ -26,4 +36,4 @@ def build_dataset(name: str, num_classes: int, seed: int = 0, **kwargs) -> XCDat
 
 
 __all__ = ["DATASETS", "CorpusDataset", "GlyphDataset", "SyntheticDataset", "TextDataset", "XCDataset",
-           "build_dataset"]
+           "build_dataset", "dataset_kwargs"]

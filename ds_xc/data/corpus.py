@@ -62,6 +62,7 @@ from ds_xc.data.base import (
     hash_words,
     mix64,
 )
+from ds_xc.data.labels import bigram_labels, pair_names, word_labels
 from ds_xc.data.text import save_arrays_atomic
 
 logger = logging.getLogger(__name__)
@@ -229,35 +230,6 @@ def heldout_blocks(doc_names: list[str], block_doc: np.ndarray, block_number: np
     return held
 
 
-def word_labels(stream: np.ndarray, num_classes: int) -> np.ndarray:
-    """Next-word labels of every position: rank + 1 inside the vocabulary, else 0."""
-    return np.where(stream < num_classes - 1, stream + 1, 0).astype(np.int32)
-
-
-def bigram_labels(stream: np.ndarray, block_starts: np.ndarray, num_words: int,
-                  num_classes: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """Pair labels of every position p: the class of (word p, word p+1), 0 when the
-    pair is not among the ``num_classes - 1`` most frequent or p is a block's last word.
-
-    Returns (labels int32 (N,), pair keys of classes 1.. (rank_a * num_words + rank_b),
-    number of distinct pairs).
-    """
-    n = len(stream)
-    last = np.zeros(n + 1, dtype=bool)
-    last[block_starts] = True
-    last[n] = True
-    pos = np.flatnonzero(~last[1:])  # p + 1 lies in p's block
-    keys = stream[pos].astype(np.int64) * num_words + stream[pos + 1]
-    uniq, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
-    order = np.lexsort((uniq, -counts))  # count decreasing, then (rank_a, rank_b)
-    rank = np.empty(len(uniq), dtype=np.int64)
-    rank[order] = np.arange(len(uniq))
-    class_of = np.where(rank < num_classes - 1, rank + 1, 0).astype(np.int32)
-    labels = np.zeros(n, dtype=np.int32)
-    labels[pos] = class_of[inverse.reshape(-1)]
-    return labels, uniq[order[: num_classes - 1]], len(uniq)
-
-
 def ensure_packages(root: Path, sources: tuple[str, ...], download: bool) -> None:
     """Fetch the packages of ``sources`` missing under ``root`` (into ``root.parent``)."""
     missing = [SOURCES[k].package for k in sources if debian.read_marker(root / SOURCES[k].package) is None]
@@ -402,15 +374,7 @@ class CorpusDataset(PositionDataset):
         """Text of each label: a word, or "word word" in bigram mode (0 -> "<unk>")."""
         if self._pair_keys is None:
             return self.decode(labels)
-        num_words = len(self._all_words)
-        out = []
-        for c in labels.tolist():
-            if c == 0:
-                out.append(UNK)
-                continue
-            a, b = divmod(int(self._pair_keys[c - 1]), num_words)
-            out.append(f"{self._all_words[a]} {self._all_words[b]}")
-        return out
+        return pair_names(labels.tolist(), self._pair_keys, self._all_words)
 
     def label_counts(self, split: str = "train") -> np.ndarray:
         """Samples per class (int64, length num_label_classes) of ``split`` ("train"/"eval")."""
