@@ -59,9 +59,11 @@ def check_zero_stage(stage: int, method: str, overlap_comm=None, bf16: bool = Fa
                           "the gradients in hooks during the boundary backward, before the compressed reduction; "
                           "set zero_optimization.overlap_comm=false (or leave it out)")
     if bf16:
-        raise ConfigError(f"bf16.enabled=true with {where}: DeepSpeed's bf16 ZeRO-1 optimizer accumulates the "
-                          "gradients in its own fp32 buffers, which the compressed reduction does not reach; use "
-                          "fp32 with ZeRO-1, or zero_optimization.stage=0 with bf16")
+        raise ConfigError(f"bf16.enabled=true with {where}: not supported (with fp32 gradient accumulation "
+                          "DeepSpeed's BF16_Optimizer keeps the gradients in its own fp32 buffers, out of the "
+                          "compressed reduction's reach; with bf16 accumulation the run was not found equal to "
+                          "ZeRO-0, see docs/compression.md); use fp32 with ZeRO-1, or zero_optimization.stage=0 "
+                          "with bf16")
     if offload:
         raise ConfigError(f"zero_optimization.offload_optimizer with {where}: the offloaded ZeRO-1 optimizer copies "
                           "gradients to the CPU in its own hooks; remove offload_optimizer (or its device: none)")
