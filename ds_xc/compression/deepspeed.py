@@ -16,10 +16,11 @@ gradient that reaches ``step()`` is already the micro-batch mean.
 Supported: ZeRO stage 0 with fp32 or bf16, and ZeRO stage 1 with fp32
 (ds_xc/compression/zero.py: the compressed mean feeds the partitioned optimizer). Refused at
 start, naming the keys:
-* ZeRO 2/3: their hooks reduce-scatter every gradient bucket during the backward and drop
-  the local gradients, before any wrapper could see them (docs/compression.md, "With ZeRO");
-* ZeRO 1 with ``overlap_comm``, CPU offload or bf16: the first reduces in hooks during the
-  boundary backward, the others keep the gradients where the wrapper does not reduce them;
+* ZeRO 2/3: their own hooks reduce the gradients densely during the backward and keep only
+  this rank's partition, before any wrapper could see them (measured: docs/compression.md,
+  "With ZeRO");
+* ZeRO 1 with ``overlap_comm`` (it all-reduces in hooks during the boundary backward), CPU
+  offload (its hooks copy the gradients to the CPU) or bf16 (not found equal to ZeRO 0);
 * fp16: dynamic loss scaling would mix scales inside the error-feedback residuals;
 * ``gradient_clipping`` > 0 with fp32: DeepSpeed clips fp32 ZeRO-0 gradients *before*
   ``optimizer.step()``, i.e. each rank's local gradient before the (now deferred)
@@ -48,8 +49,9 @@ def check_zero_stage(stage: int, method: str, overlap_comm=None, bf16: bool = Fa
     """
     where = f"zero_optimization.stage={stage} with {COMPRESSION_SECTION}.method={method!r}"
     if int(stage) >= 2:
-        raise ConfigError(f"{where}: ZeRO stages 2 and 3 reduce-scatter every gradient bucket inside their backward "
-                          "hooks and free the local gradients, so a compressed reduction never sees them (see "
+        raise ConfigError(f"{where}: ZeRO stages 2 and 3 reduce the gradients densely in their own hooks during the "
+                          "backward and keep only this rank's partition; DeepSpeed refuses to defer that reduction, "
+                          "and it is the only way to build their partitioned gradients (measured in "
                           "docs/compression.md, 'With ZeRO'); allowed with compression: zero_optimization.stage 0 "
                           f"or 1, or {COMPRESSION_SECTION}.method='none'")
     if int(stage) != 1:
@@ -97,8 +99,9 @@ def attach_to_engine(engine, config, group=None) -> CompressedOptimizer:
     ``config`` is the ``gradient_compression`` section (dict or model); ``group`` the
     data-parallel group (default: the engine's). Call it right after ``deepspeed.initialize``.
     Under ZeRO-1 ``engine.optimizer`` stays DeepSpeed's (its ``step`` runs the compressed
-    reduction first: ds_xc/compression/zero.py). The residuals are per rank: save them with :func:`ds_xc.compression.save_compression_state`
-    next to the engine's checkpoint (DeepSpeed saves rank 0's optimizer state only).
+    reduction first: ds_xc/compression/zero.py). The residuals are per rank: save them with
+    :func:`ds_xc.compression.save_compression_state` next to the engine's checkpoint (DeepSpeed
+    saves rank 0's optimizer state only under ZeRO 0, its partitions under ZeRO 1).
     """
     cfg = parse_compression(config)
     check_engine(engine, cfg.method)
