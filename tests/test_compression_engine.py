@@ -2,7 +2,7 @@
 one step equals the float64 data-parallel reference under gradient accumulation (so the
 engine neither reduces twice nor loses its accumulation scaling); compressed, the engine
 path equals the plain torch.distributed path bit for bit; bf16; refusals name the keys;
-checkpoints (engine + per-rank residuals) resume bitwise."""
+checkpoints (engine + per-rank residuals) resume bitwise. ZeRO-1: tests/test_compression_zero.py."""
 import pytest
 import torch
 
@@ -110,7 +110,7 @@ def _refusal(rank, world, stage, clip, bf16):
     return None
 
 
-@pytest.mark.parametrize("stage,clip,bf16,key", [(1, 0.0, False, "zero_optimization.stage=1"),
+@pytest.mark.parametrize("stage,clip,bf16,key", [(2, 0.0, False, "zero_optimization.stage=2"),
                                                   (0, 1.0, False, "gradient_clipping=1.0"),
                                                   (0, 1.0, True, None)])
 def test_unsupported_settings_are_refused_naming_the_keys(pools, stage, clip, bf16, key):

@@ -129,11 +129,12 @@ def test_two_ranks_gradient_compression_section(tmp_path):
     assert json.loads(open(summary).read())["compression_stats"]["steps"] == 6
 
 
-def test_compression_with_zero_stage_1_is_refused_before_the_engine_is_built():
+def test_compression_with_zero_stage_2_is_refused_before_the_engine_is_built():
     from ds_xc import ConfigError
     from ds_xc.engine import check_supported
-    raw = {"zero_optimization": {"stage": 1}, "gradient_compression": {"method": "topk"},
+    raw = {"zero_optimization": {"stage": 2}, "gradient_compression": {"method": "topk"},
            "extreme_classification": {"num_classes": 10, "embedding_dim": 4}}
-    with pytest.raises(ConfigError, match=r"zero_optimization.stage=1 with gradient_compression.method='topk'"):
+    with pytest.raises(ConfigError, match=r"zero_optimization.stage=2 with gradient_compression.method='topk'"):
         check_supported(raw)
+    check_supported(dict(raw, zero_optimization={"stage": 1}))  # ZeRO-1 takes the compressed mean
     check_supported(dict(raw, gradient_compression={"method": "none"}))

@@ -171,11 +171,13 @@ class XCEngine:
         DeepSpeed's fp16-style wrapper); DeepSpeed's partitioned flat buffers under ZeRO 1/2
         (checked with the optimizer's own public overflow test, this rank's partition); the
         bf16 optimizer's fp32 gradients (``get_grads_for_norm``) with bf16 + ZeRO 1 and fp32
-        accumulation."""
+        accumulation; ``.grad`` with gradient compression under ZeRO 1 (the local gradients, reduced in the step)."""
         head_grad = self.head.weight.grad
         if head_grad is not None and not _finite(head_grad._values() if head_grad.is_sparse else head_grad):
             return False
         opt = self.engine.optimizer
+        if self.compression is not None and self.engine.zero_optimization_stage() == 1:  # local, reduced in step()
+            return all(p.grad is None or _finite(p.grad) for p in self.engine.module.parameters())
         if self.engine.zero_optimization_stage() in (1, 2) and hasattr(opt, "has_overflow_partitioned_grads_serial"):
             if getattr(opt, "cpu_offload", False):
                 return not bool(getattr(opt, "local_overflow", False))

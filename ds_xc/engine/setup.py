@@ -62,7 +62,11 @@ def check_supported(raw: dict) -> None:
     method = _raw_section(raw, cfg.COMPRESSION_SECTION).get("method", "bayes_prior")
     if cfg.COMPRESSION_SECTION in raw and method != "none":  # refused before an engine is built
         from ds_xc.compression.deepspeed import check_zero_stage
-        check_zero_stage(stage, method)
+        zero = _raw_section(raw, "zero_optimization")
+        offload = zero.get("offload_optimizer") or {}
+        check_zero_stage(stage, method, overlap_comm=zero.get("overlap_comm"),
+                         bf16=bool(_raw_section(raw, "bf16").get("enabled", False)),
+                         offload=isinstance(offload, dict) and offload.get("device", "none") not in (None, "none"))
     overlap = _raw_section(raw, cfg.HEAD_SECTION).get("overlap")
     if overlap:
         from ds_xc.overlap.run import check_overlap
