@@ -62,14 +62,13 @@ from ds_xc.data.base import (
     hash_words,
     mix64,
 )
-from ds_xc.data.labels import bigram_labels, pair_names, word_labels
+from ds_xc.data.labels import MODES, bigram_labels, check_label_args, pair_names, word_labels
 from ds_xc.data.text import save_arrays_atomic
 
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 UNK = "<unk>"
-MODES = ("word", "bigram")
 DEFAULT_BIGRAM_VOCAB = 100_000
 _WORD = re.compile(rb"[a-z_][a-z0-9_]*")
 _PRONUNCIATION = re.compile(rb"\\[^\\\n]{1,80}\\")  # gcide: \Ab*do"men\ after the headword
@@ -293,17 +292,7 @@ class CorpusDataset(PositionDataset):
 
     @staticmethod
     def _check_args(num_classes, context, mode, vocab_size, sources, heldout_fraction, block_words) -> None:
-        if int(num_classes) != num_classes or num_classes < 2:
-            raise ValueError(f"num_classes={num_classes!r} is invalid: must be an integer >= 2")
-        if int(context) != context or context < 1:
-            raise ValueError(f"context={context!r} is invalid: must be an integer >= 1")
-        if mode not in MODES:
-            raise ValueError(f"mode={mode!r} is invalid: allowed {list(MODES)}")
-        if mode == "word" and vocab_size not in (None, num_classes):
-            raise ValueError(f"vocab_size={vocab_size!r} is invalid in word mode: the vocabulary is "
-                             f"num_classes={num_classes}; leave vocab_size unset")
-        if vocab_size is not None and (int(vocab_size) != vocab_size or vocab_size < 2):
-            raise ValueError(f"vocab_size={vocab_size!r} is invalid: must be an integer >= 2")
+        check_label_args(num_classes, context, mode, vocab_size)
         bad = [s for s in sources if s not in SOURCES]
         if bad or not list(sources):
             raise ValueError(f"sources={list(sources)!r} is invalid: a non-empty subset of {list(SOURCES)}")

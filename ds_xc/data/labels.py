@@ -18,6 +18,23 @@ from __future__ import annotations
 import numpy as np
 
 UNK = "<unk>"
+MODES = ("word", "bigram")  # the label modes of the text and corpus data sets
+
+
+def check_label_args(num_classes, context, mode, vocab_size) -> None:
+    """The argument checks both label modes share (text and corpus data sets): each error names
+    the argument, its value and what is allowed."""
+    if int(num_classes) != num_classes or num_classes < 2:
+        raise ValueError(f"num_classes={num_classes!r} is invalid: must be an integer >= 2")
+    if int(context) != context or context < 1:
+        raise ValueError(f"context={context!r} is invalid: must be an integer >= 1")
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is invalid: allowed {list(MODES)}")
+    if mode == "word" and vocab_size not in (None, num_classes):
+        raise ValueError(f"vocab_size={vocab_size!r} is invalid in word mode: the vocabulary is "
+                         f"num_classes={num_classes}; leave vocab_size unset")
+    if vocab_size is not None and (int(vocab_size) != vocab_size or vocab_size < 2):
+        raise ValueError(f"vocab_size={vocab_size!r} is invalid: must be an integer >= 2")
 
 
 def word_labels(stream: np.ndarray, num_classes: int) -> np.ndarray:

@@ -55,7 +55,7 @@ from ds_xc.data.base import (
     derive_salt,
     hash_words,
 )
-from ds_xc.data.labels import bigram_labels, pair_names, word_labels
+from ds_xc.data.labels import MODES, bigram_labels, check_label_args, pair_names, word_labels
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,6 @@ FORMAT_VERSION = 1
 UNK = "<unk>"
 _WORD = re.compile(rb"[A-Za-z_][A-Za-z0-9_]*")
 _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages"})
-MODES = ("word", "bigram")
 DEFAULT_BIGRAM_VOCAB = 20_000  # bigram mode's input vocabulary: the word mode job's 20,000 words
 _ARRAYS = {"word": ("stream", "train_pos", "eval_pos", "vocab_bytes", "stats"),
            "bigram": ("stream", "labels", "train_pos", "eval_pos", "words_bytes", "pair_keys", "stats")}
@@ -330,16 +329,6 @@ class TextDataset(PositionDataset):
 
 def _check_args(num_classes, context, heldout_fraction, mode, vocab_size) -> None:
     """TextDataset's argument checks: each error names the argument, its value and what is allowed."""
-    if int(num_classes) != num_classes or num_classes < 2:
-        raise ValueError(f"num_classes={num_classes!r} is invalid: must be an integer >= 2")
-    if int(context) != context or context < 1:
-        raise ValueError(f"context={context!r} is invalid: must be an integer >= 1")
     if not 0.0 < heldout_fraction < 1.0:
         raise ValueError(f"heldout_fraction={heldout_fraction!r} is invalid: must be in (0, 1)")
-    if mode not in MODES:
-        raise ValueError(f"mode={mode!r} is invalid: allowed {list(MODES)}")
-    if mode == "word" and vocab_size not in (None, num_classes):
-        raise ValueError(f"vocab_size={vocab_size!r} is invalid in word mode: the vocabulary is "
-                         f"num_classes={num_classes}; leave vocab_size unset")
-    if vocab_size is not None and (int(vocab_size) != vocab_size or vocab_size < 2):
-        raise ValueError(f"vocab_size={vocab_size!r} is invalid: must be an integer >= 2")
+    check_label_args(num_classes, context, mode, vocab_size)
