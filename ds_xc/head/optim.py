@@ -172,17 +172,22 @@ class HeadSGD(_HeadOptimizer):
 
     @staticmethod
     def _exact_apply(p, state, group, rows, q, k):
-        """Catch rows (S,) up by their suffix products q (S, 2, 2) of the zero-gradient steps."""
-        w = p.index_select(0, rows).double()  # (S, d): float64 block temporaries, one rounding per catch-up
+        """Catch rows (S,) up by their suffix products q (S, 2, 2) of the zero-gradient steps.
+
+        The products are formed in float64 (lazy_exact.suffix_products); the per-row combination
+        runs in the weight's dtype, in place on the gathered rows (two gathers, two scatters and
+        four fused passes over (S, d)): one rounding of each result, as one dense step has."""
+        q = q.to(p.dtype)
+        w = p.index_select(0, rows)  # (S, d)
         buf = state.get("momentum_buffer")
         if buf is None:  # no momentum: M_s = [[1 - lr*wd, 0], [wd, 0]], only the decay matters
-            p.index_copy_(0, rows, (w * q[:, 0, 0, None]).to(p.dtype))
+            p.index_copy_(0, rows, w.mul_(q[:, 0, 0, None]))
             return
-        b = buf.index_select(0, rows).double()  # (S, d)
-        w2 = q[:, 0, 0, None] * w + q[:, 0, 1, None] * b
-        b2 = q[:, 1, 0, None] * w + q[:, 1, 1, None] * b
-        p.index_copy_(0, rows, w2.to(p.dtype))
-        buf.index_copy_(0, rows, b2.to(buf.dtype))
+        b = buf.index_select(0, rows).to(p.dtype)  # (S, d)
+        w2 = torch.addcmul(b * q[:, 0, 1, None], w, q[:, 0, 0, None])  # q00*w + q01*b
+        b.mul_(q[:, 1, 1, None]).addcmul_(w, q[:, 1, 0, None])  # q10*w + q11*b
+        p.index_copy_(0, rows, w2)
+        buf.index_copy_(0, rows, b.to(buf.dtype))
 
     @staticmethod
     def _update(p, g, buf, lr, mu, wd, nesterov):
@@ -266,13 +271,14 @@ class HeadAdamW(_HeadOptimizer):
         """Catch rows (S,) up: w = D*w - C*m/sqrt(v) (eps dropped, see lazy_exact), m *= b1^k, v *= b2^k."""
         b1, b2 = group["betas"]
         m, v = state["exp_avg"], state["exp_avg_sq"]
+        q = q.to(p.dtype)  # float64 products; the per-row combination in the weight's dtype, in place
         w, mr, vr = p.index_select(0, rows), m.index_select(0, rows), v.index_select(0, rows)  # (S, d) each
-        dt = torch.float64  # block temporaries: one rounding per catch-up
-        ratio = torch.where(vr > 0, mr.to(dt) / vr.to(dt).sqrt(), torch.zeros((), dtype=dt, device=p.device))
-        p.index_copy_(0, rows, (q[:, 0, 0, None] * w.to(dt) - q[:, 0, 1, None] * ratio).to(p.dtype))
+        ratio = torch.where(vr > 0, mr.to(p.dtype) / vr.to(p.dtype).sqrt(),  # sqrt: vr is kept for the decay
+                            torch.zeros((), dtype=p.dtype, device=p.device))
+        p.index_copy_(0, rows, w.mul_(q[:, 0, 0, None]).sub_(ratio.mul_(q[:, 0, 1, None])))
         kf = k.to(torch.float64)[:, None]  # (S, 1)
-        m.index_copy_(0, rows, mr * (b1 ** kf).to(m.dtype))
-        v.index_copy_(0, rows, vr * (b2 ** kf).to(v.dtype))
+        m.index_copy_(0, rows, mr.mul_((b1 ** kf).to(m.dtype)))
+        v.index_copy_(0, rows, vr.mul_((b2 ** kf).to(v.dtype)))
 
     @staticmethod
     def _update(p, g, m, v, lr, b1, b2, eps, wd, bc1, bc2):
