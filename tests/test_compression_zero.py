@@ -7,6 +7,8 @@ its hooks reduce during the backward even with the engine's all-reduce off."""
 import pytest
 import torch
 
+from tests.test_reliability import NanGrad  # identity forward, NaN gradient backward
+
 IN, H, D, LR, SEED, GAS = 12, 40, 5, 0.05, 3, 2
 CLIP = 0.05
 BUCKET = 256  # reduce_bucket_size of the ZeRO-2 reproducer (elements)
@@ -251,16 +253,6 @@ def test_zero2_reduces_inside_its_hooks_even_with_the_engine_allreduce_off(pools
 C = 23  # classes of the head: 12 + 11 on 2 ranks
 
 
-class _NanGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * float("nan")
-
-
 def _xc_config(stage):
     return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": GAS, "steps_per_print": 10**9,
             "gradient_clipping": 0.0, "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
@@ -288,7 +280,7 @@ def _xc_run(rank, world, stage, path, phase, nan_step=None):
             y = t.argmax(dim=1) * 4 + rank  # labels in [0, C)
             out = xc.engine(x)
             if step == nan_step and rank == 1 and micro == 0:
-                out = _NanGrad.apply(out)
+                out = NanGrad.apply(out)
             loss = xc.head(out, y)
             xc.backward(loss)
             xc.step()

@@ -50,7 +50,7 @@ class Body(torch.nn.Module):
         if self.fault == "nan_out":
             out = out * torch.tensor([1.0, 1.0, float("nan"), 1.0]).view(B, 1)
         elif self.fault == "nan_grad":
-            out = _NanGrad.apply(out)
+            out = NanGrad.apply(out)
         elif self.fault == "wide":
             out = torch.cat([out, out[:, :1]], dim=1)
         elif self.fault == "int":
@@ -58,7 +58,10 @@ class Body(torch.nn.Module):
         return out
 
 
-class _NanGrad(torch.autograd.Function):
+class NanGrad(torch.autograd.Function):
+    """Identity forward; a NaN gradient backward (a non-finite step on one rank; also used by
+    tests/test_compression_zero.py)."""
+
     @staticmethod
     def forward(ctx, x):
         return x.view_as(x)
