@@ -10,6 +10,7 @@ gets its own optimizer, stepped at the engine's gradient-accumulation boundaries
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from typing import Optional
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from ds_xc import config as cfg
 from ds_xc.engine.core import XCEngine
 from ds_xc.head import ClassParallelHead, build_head_optimizer
+from ds_xc.optim.deepspeed import attach_partition_layouts, build_backbone_optimizer, check_backbone_optimizer
 from ds_xc.parallel.agree import agree, all_or_none
 from ds_xc.parallel.groups import copy_subgroups, group_size, resolve_group, set_comm_timeout
 from ds_xc.peers import gather_peers
@@ -72,6 +74,7 @@ def check_supported(raw: dict) -> None:
         from ds_xc.overlap.run import check_overlap
         check_overlap(cfg.validate_section(cfg.OverlapConfig, overlap, f"{cfg.HEAD_SECTION}.overlap"), int(stage),
                       bool(_raw_section(raw, "bf16").get("enabled", False)))
+    check_backbone_optimizer(raw)  # "optimizer": {"type": "Lamb" | "LARS"}: ds_xc builds it (docs/optimizers.md)
     if cfg.HEAD_SECTION not in raw:
         raise cfg.ConfigError(f"the DeepSpeed config has no '{cfg.HEAD_SECTION}' section; add one with at "
                               "least num_classes and embedding_dim")
@@ -155,11 +158,17 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
     xc_config = _agreed_config(raw, head_group)
     if model_parameters is None:
         model_parameters = [p for p in model.parameters() if p.requires_grad]
+    model_parameters = list(model_parameters)
+    optimizer, ds_raw = build_backbone_optimizer(raw, model_parameters, optimizer)  # Lamb / LARS: ours or FusedLamb
     base_lr = _base_lr(raw, optimizer)
     use_args_config = args is not None and getattr(args, "deepspeed_config", None) is not None
+    if use_args_config and ds_raw is not raw:  # DeepSpeed must get the config without the optimizer section
+        args, use_args_config = copy.copy(args), False
+        args.deepspeed_config = None
     engine, _, _, scheduler = deepspeed.initialize(
         args=args, model=model, model_parameters=model_parameters, optimizer=optimizer,
-        lr_scheduler=lr_scheduler, config=None if use_args_config else raw, **ds_kwargs)
+        lr_scheduler=lr_scheduler, config=None if use_args_config else ds_raw, **ds_kwargs)
+    attach_partition_layouts(engine, optimizer)  # ZeRO 1/2: the layers' places in the flat partitions
     head = ClassParallelHead.from_config(xc_config.extreme_classification, group=head_group,
                                          device=engine.device)
     head_optimizer = build_head_optimizer(head, xc_config.extreme_classification.optimizer)

@@ -1,0 +1,166 @@
+"""LAMB / LARS from the DeepSpeed JSON through ds_xc.initialize on 2 gloo ranks (ZeRO 0 and 1,
+uneven per-rank batches, a DeepSpeed warm-up schedule changing the lr) equal the plain
+optimizer run on one process on the concatenated batch; the config checks name the key."""
+import argparse
+import json
+import logging
+
+import pytest
+import torch
+
+import ds_xc
+from ds_xc.engine import check_supported
+from ds_xc.head import init_shard
+from ds_xc.optim import Lamb, Lars
+from tests.reference import LOSSES, per_row_loss
+
+C, D, IN, SEED, STEPS = 23, 6, 5, 11, 4
+SIZES = (3, 5)  # rows per rank: uneven
+LR_HEAD = 0.5
+PARAMS = {"lamb": {"lr": 0.02, "betas": [0.9, 0.99], "eps": 1e-6, "weight_decay": 0.01, "max_coeff": 5.0,
+                   "min_coeff": 0.05, "exclude_bias_and_norm": True},
+          "lars": {"lr": 3.0, "momentum": 0.9, "weight_decay": 0.001, "trust_coefficient": 0.01,
+                   "exclude_bias_and_norm": False}}
+TYPES = {"lamb": "Lamb", "lars": "LARS"}
+
+
+def _backbone():
+    torch.manual_seed(SEED)  # 2-D weights, biases and a norm layer: 118 parameters, split mid-layer at ZeRO 1
+    return torch.nn.Sequential(torch.nn.Linear(IN, 8), torch.nn.LayerNorm(8), torch.nn.Tanh(), torch.nn.Linear(8, D))
+
+
+def _batch(step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(SIZES[rank], IN, generator=g), torch.randint(0, C, (SIZES[rank],), generator=g)
+
+
+def _config(kind, stage):
+    return {
+        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+        "zero_optimization": {"stage": stage}, "gradient_clipping": 0.0,
+        "optimizer": {"type": TYPES[kind], "params": dict(PARAMS[kind])},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": PARAMS[kind]["lr"] / 10, "warmup_max_lr": PARAMS[kind]["lr"],
+                                                     "warmup_num_steps": STEPS, "warmup_type": "linear"}},
+        "extreme_classification": {
+            "num_classes": C, "embedding_dim": D, "loss": LOSSES["cosface"], "init_std": 0.5, "seed": SEED,
+            "optimizer": {"type": "sgd", "lr": LR_HEAD, "momentum": 0.0, "lr_schedule": "constant"}},
+    }
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def _train(rank, world, kind, stage, path):
+    records = _Records()
+    logging.getLogger("ds_xc").addHandler(records)
+    logging.getLogger("ds_xc").setLevel(logging.INFO)
+    body = _backbone()
+    if path:  # the JSON file through args.deepspeed_config, as launch/train.py passes it
+        with open(path, "w") as fh:
+            json.dump(_config(kind, stage), fh)
+        xc = ds_xc.initialize(args=argparse.Namespace(deepspeed_config=path, local_rank=rank), model=body)
+    else:
+        xc = ds_xc.initialize(model=body, config=_config(kind, stage))
+    lrs, weights = [], []
+    for step in range(STEPS):
+        x, y = _batch(step, rank)
+        lrs.append(xc.engine.basic_optimizer.param_groups[0]["lr"])  # what this step uses
+        xc.backward(xc(x, y))
+        xc.step()
+        weights.append([p.detach().clone() for p in xc.engine.module.parameters()])
+    logging.getLogger("ds_xc").removeHandler(records)
+    layouts = list(getattr(xc.engine.basic_optimizer, "layouts", {}).values())
+    return {"lrs": lrs, "weights": weights, "log": records.lines, "basic": type(xc.engine.basic_optimizer).__name__,
+            "segments": [s for lay in layouts for s in _segments(lay)]}
+
+
+def _segments(layout):
+    keys = layout.key.tolist()
+    return sorted({k for k in keys if k < layout.num_layers})
+
+
+def _reference(kind, lrs):
+    """The plain optimizer on one process: the concatenated batch, the dense head stepped by SGD."""
+    body = _backbone()
+    opt = (Lamb if kind == "lamb" else Lars)(body.parameters(), **PARAMS[kind])
+    w = init_shard(C, D, 0, C, 0.5, SEED, torch.float32).requires_grad_()
+    head_opt = torch.optim.SGD([w], lr=LR_HEAD)
+    out = []
+    for step in range(STEPS):
+        xs, ys = zip(*(_batch(step, r) for r in range(len(SIZES))))
+        loss = per_row_loss(body(torch.cat(xs)), w, torch.cat(ys), LOSSES["cosface"]).mean()
+        loss.backward()
+        for group in opt.param_groups:
+            group["lr"] = lrs[step]
+        opt.step()
+        head_opt.step()
+        opt.zero_grad()
+        head_opt.zero_grad()
+        out.append([p.detach().clone() for p in body.parameters()])
+    return out
+
+
+@pytest.mark.parametrize("kind,stage,via_args", [("lamb", 0, False), ("lars", 0, True), ("lamb", 1, True),
+                                                 ("lars", 1, False)])
+def test_engine_steps_equal_the_plain_optimizer(pools, tmp_path, kind, stage, via_args):
+    res = pools(2).run(_train, kind, stage, str(tmp_path / "ds.json") if via_args else None)
+    lrs = res[0]["lrs"]
+    assert len(set(lrs)) >= STEPS - 1  # the scheduler changes the lr
+    expected = _reference(kind, lrs)
+    start = [p.detach() for p in _backbone().parameters()]
+    for r in res:
+        assert r["lrs"] == lrs
+        name = "Lamb" if kind == "lamb" else "Lars"
+        assert r["basic"] == name
+        assert any(f"runs ds_xc.optim.{kind}.{name}" in line for line in r["log"]), r["log"]
+        for step in range(STEPS):
+            for got, want in zip(r["weights"][step], expected[step]):
+                torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-5)
+    assert any(not torch.allclose(a, b) for a, b in zip(expected[-1], start))
+    if stage == 1:  # layers split between the two ranks' partitions: the norms are summed over ranks
+        assert set(res[0]["segments"]) & set(res[1]["segments"]), (res[0]["segments"], res[1]["segments"])
+
+
+def _raw(kind="lamb", **params):
+    raw = _config(kind, 0)
+    raw["optimizer"]["params"].update(params)
+    return raw
+
+
+def test_config_errors_name_the_key_and_the_allowed_ones():
+    with pytest.raises(ds_xc.ConfigError, match=r"optimizer.params.momentum: unknown key .*allowed: lr, betas"):
+        check_supported(_raw("lamb", momentum=0.9))
+    with pytest.raises(ds_xc.ConfigError, match=r"optimizer.params.max_coeff: unknown key .*trust_coefficient"):
+        check_supported(_raw("lars", max_coeff=1.0))
+    with pytest.raises(ds_xc.ConfigError, match="max_grad_norm.*gradient_clipping"):
+        check_supported(_raw("lamb", max_grad_norm=1.0))
+    with pytest.raises(ds_xc.ConfigError, match=r"optimizer.params.betas"):
+        check_supported(_raw("lamb", betas=[0.9, 1.0]))
+    with pytest.raises(ds_xc.ConfigError, match="min_coeff=2.0 is above max_coeff=1.0"):
+        check_supported(_raw("lamb", min_coeff=2.0, max_coeff=1.0))
+    with pytest.raises(ds_xc.ConfigError, match=r"optimizer.params.momentum"):
+        check_supported(_raw("lars", momentum=1.0))
+    bf16_zero1 = _raw("lars")
+    bf16_zero1.update(bf16={"enabled": True}, zero_optimization={"stage": 1})
+    with pytest.raises(ds_xc.ConfigError, match="bf16.enabled=true and zero_optimization.stage=1"):
+        check_supported(bf16_zero1)
+    check_supported(_raw("lamb"))  # the valid one passes
+    other = _raw("lamb")
+    other["optimizer"] = {"type": "AdamW", "params": {"lr": 0.1, "torch_adam": True, "anything": 1}}
+    check_supported(other)  # DeepSpeed's own types are left to DeepSpeed
+
+
+def test_section_and_client_optimizer_together_are_refused():
+    from ds_xc.optim.deepspeed import build_backbone_optimizer
+    body = _backbone()
+    with pytest.raises(ds_xc.ConfigError, match="give one of them"):
+        build_backbone_optimizer(_raw("lars"), list(body.parameters()), torch.optim.SGD(body.parameters(), lr=0.1))
+    opt, ds_raw = build_backbone_optimizer(_raw("lamb"), list(body.parameters()))
+    assert isinstance(opt, Lamb) and "optimizer" not in ds_raw and "optimizer" in _raw("lamb")
+    assert opt.defaults["max_coeff"] == 5.0 and opt.defaults["betas"] == (0.9, 0.99)
