@@ -107,8 +107,8 @@ LAMB_CASES = [  # (weight_decay, exclude, bias_correction, eps_inside_sqrt, min_
 @pytest.mark.parametrize("wd, exclude, bias_correction, inside, lo, hi", LAMB_CASES)
 def test_lamb_equals_the_float64_formula(wd, exclude, bias_correction, inside, lo, hi):
     weights, noise = _start(), _noise()
-    kw = dict(betas=(0.9, 0.99), eps=1e-6, weight_decay=wd, min_coeff=lo, max_coeff=hi,
-              bias_correction=bias_correction, eps_inside_sqrt=inside, exclude_bias_and_norm=exclude)
+    kw = {"betas": (0.9, 0.99), "eps": 1e-6, "weight_decay": wd, "min_coeff": lo, "max_coeff": hi,
+              "bias_correction": bias_correction, "eps_inside_sqrt": inside, "exclude_bias_and_norm": exclude}
     params, _ = _run(lambda ps: Lamb(ps, lr=0.01, **kw), weights, noise, 0.01)
     ref, clamped = lamb_reference(weights, noise, 0.01, (0.9, 0.99), 1e-6, wd, lo, hi, bias_correction, inside,
                                   exclude)
@@ -123,7 +123,7 @@ def test_lamb_equals_the_float64_formula(wd, exclude, bias_correction, inside, l
                                               (0.01, True, 1e-3)])
 def test_lars_equals_the_float64_formula(wd, exclude, eps):
     weights, noise = _start(), _noise()
-    make = lambda ps: Lars(ps, lr=2.0, momentum=0.9, weight_decay=wd, trust_coefficient=0.02, eps=eps,  # noqa: E731
+    make = lambda ps: Lars(ps, lr=2.0, momentum=0.9, weight_decay=wd, trust_coefficient=0.02, eps=eps,
                            exclude_bias_and_norm=exclude)
     params, _ = _run(make, weights, noise, 2.0, grad_for_5=True)
     ref = lars_reference(weights, noise, 2.0, 0.9, wd, 0.02, eps, exclude)

@@ -34,8 +34,8 @@ def _batch(step, rank):
     return torch.randn(SIZES[rank], IN, generator=g), torch.randint(0, C, (SIZES[rank],), generator=g)
 
 
-def _config(kind, stage):
-    return {
+def _config(kind, stage, bf16=False):
+    return {"bf16": {"enabled": bf16},
         "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
         "zero_optimization": {"stage": stage}, "gradient_clipping": 0.0,
         "optimizer": {"type": TYPES[kind], "params": dict(PARAMS[kind])},
@@ -56,7 +56,7 @@ class _Records(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _train(rank, world, kind, stage, path):
+def _train(rank, world, kind, stage, path, bf16=False):
     records = _Records()
     logging.getLogger("ds_xc").addHandler(records)
     logging.getLogger("ds_xc").setLevel(logging.INFO)
@@ -66,14 +66,15 @@ def _train(rank, world, kind, stage, path):
             json.dump(_config(kind, stage), fh)
         xc = ds_xc.initialize(args=argparse.Namespace(deepspeed_config=path, local_rank=rank), model=body)
     else:
-        xc = ds_xc.initialize(model=body, config=_config(kind, stage))
+        xc = ds_xc.initialize(model=body, config=_config(kind, stage, bf16))
     lrs, weights = [], []
     for step in range(STEPS):
         x, y = _batch(step, rank)
+        x = x.to(torch.bfloat16) if bf16 else x
         lrs.append(xc.engine.basic_optimizer.param_groups[0]["lr"])  # what this step uses
         xc.backward(xc(x, y))
         xc.step()
-        weights.append([p.detach().clone() for p in xc.engine.module.parameters()])
+        weights.append([p.detach().float().clone() for p in xc.engine.module.parameters()])
     logging.getLogger("ds_xc").removeHandler(records)
     layouts = list(getattr(xc.engine.basic_optimizer, "layouts", {}).values())
     return {"lrs": lrs, "weights": weights, "log": records.lines, "basic": type(xc.engine.basic_optimizer).__name__,
@@ -107,7 +108,7 @@ def _reference(kind, lrs):
 
 
 @pytest.mark.parametrize("kind,stage,via_args", [("lamb", 0, False), ("lars", 0, True), ("lamb", 1, True),
-                                                 ("lars", 1, False)])
+                                                 ("lars", 1, False), ("lars", 2, False)])
 def test_engine_steps_equal_the_plain_optimizer(pools, tmp_path, kind, stage, via_args):
     res = pools(2).run(_train, kind, stage, str(tmp_path / "ds.json") if via_args else None)
     lrs = res[0]["lrs"]
@@ -123,8 +124,24 @@ def test_engine_steps_equal_the_plain_optimizer(pools, tmp_path, kind, stage, vi
             for got, want in zip(r["weights"][step], expected[step]):
                 torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-5)
     assert any(not torch.allclose(a, b) for a, b in zip(expected[-1], start))
-    if stage == 1:  # layers split between the two ranks' partitions: the norms are summed over ranks
+    if stage > 0:  # layers split between the two ranks' partitions: the norms are summed over ranks
         assert set(res[0]["segments"]) & set(res[1]["segments"]), (res[0]["segments"], res[1]["segments"])
+
+
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_bf16_zero0_follows_the_plain_optimizer(pools, kind):
+    """bf16 with ZeRO 0: DeepSpeed keeps an fp32 master copy per tensor (its unfused wrapper), our optimizer
+    steps those; the bf16 weights stay within bf16 rounding of the fp32 plain run."""
+    res = pools(2).run(_train, kind, 0, None, True)
+    expected = _reference(kind, res[0]["lrs"])
+    start = [p.detach() for p in _backbone().parameters()]
+    moved = max((a - b).abs().max().item() for a, b in zip(expected[-1], start))
+    for r in res:
+        assert r["basic"] == ("Lamb" if kind == "lamb" else "Lars")
+        err = max((a - b).abs().max().item() for a, b in zip(r["weights"][-1], expected[-1]))
+        assert err < 0.5 * moved, (err, moved)  # bf16 forward and weights: a weak check (bf16 ulp ~ the motion)
+        for got, want in zip(r["weights"][-1], expected[-1]):
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=3e-3)
 
 
 def _raw(kind="lamb", **params):
@@ -164,3 +181,26 @@ def test_section_and_client_optimizer_together_are_refused():
     opt, ds_raw = build_backbone_optimizer(_raw("lamb"), list(body.parameters()))
     assert isinstance(opt, Lamb) and "optimizer" not in ds_raw and "optimizer" in _raw("lamb")
     assert opt.defaults["max_coeff"] == 5.0 and opt.defaults["betas"] == (0.9, 0.99)
+
+
+def test_lamb_falls_back_to_ours_and_says_why(monkeypatch, caplog):
+    """Without CUDA ours runs; where CUDA looks present but FusedLamb cannot build or run, ours runs too."""
+    from ds_xc.optim.deepspeed import build_backbone_optimizer
+    body = _backbone()
+    with caplog.at_level(logging.INFO, logger="ds_xc"):
+        opt, _ = build_backbone_optimizer(_raw("lamb", exclude_bias_and_norm=False), list(body.parameters()))
+    cuda = torch.cuda.is_available()
+    assert type(opt).__name__ == ("FusedLamb" if cuda else "Lamb")  # on a GPU machine: DeepSpeed's op
+    expected = "DeepSpeed's CUDA op" if cuda else "no CUDA device"
+    assert any("runs" in r.getMessage() and expected in r.getMessage() for r in caplog.records), caplog.text
+    if cuda:
+        return
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CUDA machine where the op cannot run
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ds_xc"):
+        opt, _ = build_backbone_optimizer(_raw("lamb", exclude_bias_and_norm=False), list(body.parameters()))
+    assert type(opt) is Lamb
+    assert any("FusedLamb could not build or run" in r.getMessage() for r in caplog.records), caplog.text
+    with caplog.at_level(logging.INFO, logger="ds_xc"):
+        opt, _ = build_backbone_optimizer(_raw("lamb"), list(body.parameters()))  # ours-only option
+    assert type(opt) is Lamb and any("exclude_bias_and_norm=true" in r.getMessage() for r in caplog.records)

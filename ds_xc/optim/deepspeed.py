@@ -74,7 +74,7 @@ def _fused_lamb(params: list, kwargs: dict, stage: int):
         torch.cuda.synchronize()
         fused_kwargs = {k: v for k, v in kwargs.items() if k != "exclude_bias_and_norm"}
         return FusedLamb(params, **fused_kwargs), None
-    except (ImportError, RuntimeError, OSError, ValueError, subprocess.SubprocessError) as exc:  # no build or no run
+    except (ImportError, RuntimeError, OSError, ValueError, AssertionError, subprocess.SubprocessError) as exc:
         return None, f"FusedLamb could not build or run ({type(exc).__name__}: {str(exc)[:200]})"
 
 
