@@ -77,6 +77,13 @@ def render() -> str:
     out += model_table(ccfg.GradientCompressionConfig, "gradient_compression")
     out += model_table(ccfg.PriorConfig, "gradient_compression.prior")
     out += model_table(ccfg.HierarchyConfig, "gradient_compression.hierarchy")
+    from ds_xc.optim import config as ocfg
+    out += ["## optimizer (types Lamb and LARS)", "",
+            "DeepSpeed's own `optimizer` section; for `\"type\": \"Lamb\"` and `\"type\": \"LARS\"` ds_xc builds the",
+            "backbone optimizer itself (DeepSpeed's FusedLamb on GPUs where its op builds, else ds_xc's; see",
+            "docs/optimizers.md) and validates `optimizer.params` here. Other types are DeepSpeed's.", ""]
+    out += model_table(ocfg.LambParams, "optimizer.params (type 'Lamb')")
+    out += model_table(ocfg.LarsParams, "optimizer.params (type 'LARS')")
     return "\n".join(out).rstrip() + "\n"
 
 

@@ -16,6 +16,7 @@ __all__ = ["OPTIMIZER_TYPES", "LambParams", "LarsParams", "backbone_type", "pars
 
 
 class LambParams(Section):
+    """LAMB (You et al. 2019): Adam moments, a layer-wise trust ratio clamped to [min_coeff, max_coeff]."""
     lr: float = Field(1e-3, ge=0.0, description="Learning rate (a DeepSpeed scheduler may set it at every step).")
     betas: tuple[float, float] = Field((0.9, 0.999), description="Adam moment decays, each in [0, 1).")
     eps: float = Field(1e-8, ge=0.0, description="Added to sqrt(v_hat) (inside the sqrt with eps_inside_sqrt).")
@@ -37,11 +38,12 @@ class LambParams(Section):
 
 
 class LarsParams(Section):
+    """LARS (You et al. 2017): SGD with momentum and a layer-wise local learning rate."""
     lr: float = Field(0.1, ge=0.0, description="Global learning rate (a DeepSpeed scheduler may set it).")
     momentum: float = Field(0.9, ge=0.0, lt=1.0, description="Momentum of the velocity.")
     weight_decay: float = Field(0.0, ge=0.0, description="L2 weight decay, inside the local lr's denominator.")
-    trust_coefficient: float = Field(0.001, gt=0.0, description="eta of the paper: local lr = eta ||w|| / "
-                                     "(||g|| + weight_decay ||w|| + eps).")
+    trust_coefficient: float = Field(0.001, gt=0.0, description="eta of the paper: local lr = eta * norm(w) / "
+                                     "(norm(g) + weight_decay * norm(w) + eps).")
     eps: float = Field(0.0, ge=0.0, description="Added to the local lr's denominator.")
     exclude_bias_and_norm: bool = Field(False, description="1-D tensors (biases, norm layers) take local lr 1 "
                                         "and no weight decay.")
