@@ -204,3 +204,28 @@ def test_lamb_falls_back_to_ours_and_says_why(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="ds_xc"):
         opt, _ = build_backbone_optimizer(_raw("lamb"), list(body.parameters()))  # ours-only option
     assert type(opt) is Lamb and any("exclude_bias_and_norm=true" in r.getMessage() for r in caplog.records)
+
+
+def _resume(rank, world, kind, stage, path, steps, resume):
+    body = _backbone()
+    xc = ds_xc.initialize(model=body, config=_config(kind, stage))
+    start = xc.load_checkpoint(path)["step"] if resume else 0
+    for step in range(start, start + steps):
+        x, y = _batch(step, rank)
+        xc.backward(xc(x, y))
+        xc.step()
+    if not resume:
+        xc.save_checkpoint(path, client_state={"step": start + steps})
+    return [p.detach().clone() for p in xc.engine.module.parameters()]
+
+
+@pytest.mark.parametrize("kind,stage", [("lamb", 0), ("lars", 1)])
+def test_engine_checkpoint_resumes_the_optimizer_state(pools, tmp_path, kind, stage):
+    """Save after 2 steps, resume in a new engine, 2 more: equal to 4 straight steps (moments, velocity, layout)."""
+    pool = pools(2)
+    straight = pool.run(_resume, kind, stage, str(tmp_path / "a"), STEPS, False)
+    pool.run(_resume, kind, stage, str(tmp_path / "b"), 2, False)
+    resumed = pool.run(_resume, kind, stage, str(tmp_path / "b"), STEPS - 2, True)
+    for r in range(2):
+        for a, b in zip(straight[r], resumed[r]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
