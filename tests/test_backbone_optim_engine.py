@@ -35,7 +35,8 @@ def _batch(step, rank):
 
 
 def _config(kind, stage, bf16=False):
-    return {"bf16": {"enabled": bf16},
+    accum = {"data_types": {"grad_accum_dtype": "fp32"}} if bf16 == "fp32_accum" else {}
+    return {**accum, "bf16": {"enabled": bool(bf16)},
         "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
         "zero_optimization": {"stage": stage}, "gradient_clipping": 0.0,
         "optimizer": {"type": TYPES[kind], "params": dict(PARAMS[kind])},
@@ -78,6 +79,7 @@ def _train(rank, world, kind, stage, path, bf16=False):
     logging.getLogger("ds_xc").removeHandler(records)
     layouts = list(getattr(xc.engine.basic_optimizer, "layouts", {}).values())
     return {"lrs": lrs, "weights": weights, "log": records.lines, "basic": type(xc.engine.basic_optimizer).__name__,
+            "wrapper": type(xc.engine.optimizer).__name__,
             "segments": [s for lay in layouts for s in _segments(lay)]}
 
 
@@ -128,11 +130,18 @@ def test_engine_steps_equal_the_plain_optimizer(pools, tmp_path, kind, stage, vi
         assert set(res[0]["segments"]) & set(res[1]["segments"]), (res[0]["segments"], res[1]["segments"])
 
 
-@pytest.mark.parametrize("kind", ["lamb", "lars"])
-def test_bf16_zero0_follows_the_plain_optimizer(pools, kind):
-    """bf16 with ZeRO 0: DeepSpeed keeps an fp32 master copy per tensor (its unfused wrapper), our optimizer
-    steps those; the bf16 weights stay within bf16 rounding of the fp32 plain run."""
-    res = pools(2).run(_train, kind, 0, None, True)
+@pytest.mark.parametrize("kind,stage,bf16", [("lamb", 0, True), ("lars", 0, True), ("lars", 1, True),
+                                             ("lamb", 1, "fp32_accum"), ("lamb", 2, True)])
+def test_bf16_follows_the_plain_optimizer(pools, kind, stage, bf16):
+    """bf16: with ZeRO 0 DeepSpeed keeps an fp32 master copy per tensor (its unfused wrapper); with ZeRO 1/2
+    its ZeRO optimizer, or with ZeRO 1 and fp32 gradient accumulation its BF16_Optimizer, keep fp32 flat
+    partitions; our optimizer steps those. The bf16 weights stay within bf16 rounding of the fp32 plain run."""
+    res = pools(2).run(_train, kind, stage, None, bf16)
+    wrapper = "FP16_UnfusedOptimizer" if stage == 0 else \
+        "BF16_Optimizer" if bf16 == "fp32_accum" else "DeepSpeedZeroOptimizer"
+    assert res[0]["wrapper"] == wrapper
+    if stage > 0:
+        assert set(res[0]["segments"]) & set(res[1]["segments"])  # a layer split between the ranks
     expected = _reference(kind, res[0]["lrs"])
     start = [p.detach() for p in _backbone().parameters()]
     moved = max((a - b).abs().max().item() for a, b in zip(expected[-1], start))
@@ -163,10 +172,10 @@ def test_config_errors_name_the_key_and_the_allowed_ones():
         check_supported(_raw("lamb", min_coeff=2.0, max_coeff=1.0))
     with pytest.raises(ds_xc.ConfigError, match=r"optimizer.params.momentum"):
         check_supported(_raw("lars", momentum=1.0))
-    bf16_zero1 = _raw("lars")
-    bf16_zero1.update(bf16={"enabled": True}, zero_optimization={"stage": 1})
-    with pytest.raises(ds_xc.ConfigError, match="bf16.enabled=true and zero_optimization.stage=1"):
-        check_supported(bf16_zero1)
+    extra = _raw("lars")
+    extra["optimizer"]["param"] = {}
+    with pytest.raises(ds_xc.ConfigError, match="optimizer.param: unknown key of the optimizer section"):
+        check_supported(extra)
     check_supported(_raw("lamb"))  # the valid one passes
     other = _raw("lamb")
     other["optimizer"] = {"type": "AdamW", "params": {"lr": 0.1, "torch_adam": True, "anything": 1}}

@@ -19,7 +19,8 @@ one flat partition per rank. :func:`attach_partition_layouts` then tells our opt
 each layer lies in that partition, so its trust ratio is still the layer's, summed over the
 ranks holding its slices. DeepSpeed asks ``"zero_allow_untested_optimizer": true`` for any
 client optimizer outside its Adam family; ds_xc sets it in the config it passes when it built
-the optimizer itself. bf16 with ZeRO 1/2 (DeepSpeed's BF16_Optimizer, other buffers) is refused.
+the optimizer itself. bf16 with ZeRO 1 (DeepSpeed's BF16_Optimizer) partitions alike, in buffers of
+other names (``_LAYOUT_ATTRS``).
 """
 from __future__ import annotations
 
@@ -46,16 +47,11 @@ def _stage(raw: dict) -> int:
 
 
 def check_backbone_optimizer(raw: dict) -> None:
-    """Refuse, at start and on every rank, a Lamb / LARS section ds_xc cannot run (ConfigError)."""
-    if parse_params(raw) is None:
-        return
-    kind = raw["optimizer"]["type"]
-    bf16 = raw.get("bf16") or {}
-    if _stage(raw) > 0 and isinstance(bf16, dict) and bf16.get("enabled", False):
-        raise ConfigError(f"optimizer.type={kind!r} with bf16.enabled=true and zero_optimization.stage="
-                          f"{_stage(raw)}: not supported (DeepSpeed's BF16_Optimizer partitions the master weights "
-                          "in buffers whose layer layout ds_xc does not read); use zero_optimization.stage=0 with "
-                          "bf16, or fp32 with ZeRO 1/2")
+    """Refuse, at start and on every rank, a Lamb / LARS section with a bad key or value (ConfigError).
+
+    Every ZeRO stage (0, 1, 2) and precision (fp32, bf16) ds_xc supports works with both types
+    (:func:`attach_partition_layouts`), so nothing else is refused here."""
+    parse_params(raw)
 
 
 def _fused_lamb(params: list, kwargs: dict, stage: int):
@@ -108,35 +104,40 @@ def build_backbone_optimizer(raw: dict, model_parameters, client_optimizer=None)
     return optimizer, ds_raw
 
 
-def attach_partition_layouts(engine, optimizer) -> None:
-    """Under ZeRO 1/2, tell ``optimizer`` (ours) where the layers lie in its flat partitions.
+# where DeepSpeed's partitioning wrappers keep, per param group: the flat buffer of the group's parameters
+# (the model's parameters are views into it), those parameters in buffer order, and this rank's fp32 partition
+_LAYOUT_ATTRS = {"DeepSpeedZeroOptimizer": ("bit16_groups_flat", "round_robin_bit16_groups",
+                                            "single_partition_of_fp32_groups"),
+                 "BF16_Optimizer": ("bf16_groups_flat", "bf16_groups", "fp32_groups_flat_partition")}
 
-    A no-op for ZeRO 0 and for optimizers that are not ours. DeepSpeed's ZeRO optimizer keeps,
-    per param group i, the flat buffer of the group's parameters (``bit16_groups_flat[i]``; the
-    model's parameters are views into it, in ``round_robin_bit16_groups[i]`` order), the
-    partition size and the fp32 partition this rank's optimizer steps
-    (``single_partition_of_fp32_groups[i]``)."""
+
+def attach_partition_layouts(engine, optimizer) -> None:
+    """Under ZeRO 1/2 (fp32: DeepSpeedZeroOptimizer; bf16 ZeRO 1: BF16_Optimizer), tell ``optimizer``
+    (ours) where the layers lie in the flat partitions it steps. A no-op for ZeRO 0 and other optimizers.
+
+    Each flat buffer is split in equal partitions over the group's data-parallel ranks (the last one
+    padded); a parameter's offset is where its storage lies in the buffer."""
     if not isinstance(optimizer, (Lamb, Lars)) or int(engine.zero_optimization_stage()) == 0:
         return
     zero = engine.optimizer
-    needed = ("bit16_groups_flat", "round_robin_bit16_groups", "partition_size", "single_partition_of_fp32_groups",
-              "real_dp_process_group")
-    if not all(hasattr(zero, a) for a in needed):
+    attrs = _LAYOUT_ATTRS.get(type(zero).__name__)
+    if attrs is None or not all(hasattr(zero, a) for a in (*attrs, "real_dp_process_group")):
         raise ConfigError(f"zero_optimization.stage={engine.zero_optimization_stage()} with optimizer "
                           f"{type(optimizer).__name__}: DeepSpeed's {type(zero).__name__} does not expose the "
-                          f"partition layout ({', '.join(needed)}); use zero_optimization.stage=0")
-    for i, flat in enumerate(zero.bit16_groups_flat):
+                          f"partition layout ds_xc reads; use zero_optimization.stage=0")
+    flats, groups, parts = (getattr(zero, a) for a in attrs)
+    for i, flat in enumerate(flats):
         group = zero.real_dp_process_group[i]
-        size = int(zero.partition_size[i])
+        size = flat.numel() // dist.get_world_size(group=group)
         start = dist.get_rank(group=group) * size
         segments = []
-        for layer, p in enumerate(zero.round_robin_bit16_groups[i]):
+        for layer, p in enumerate(groups[i]):
             offset = (p.data_ptr() - flat.data_ptr()) // flat.element_size()  # the parameter is a view into flat
             lo, hi = max(offset, start), min(offset + p.numel(), start + size)
             if lo < hi:
                 segments.append((lo - start, hi - lo, layer, p.dim()))
-        part = zero.single_partition_of_fp32_groups[i]
-        optimizer.layouts[part] = PartitionLayout(part.numel(), segments, len(zero.round_robin_bit16_groups[i]),
-                                                  group=group, device=part.device)
-    log.info("ds_xc: %s takes layer-wise trust ratios over ZeRO stage %d partitions", type(optimizer).__name__,
-             engine.zero_optimization_stage())
+        part = parts[i]
+        optimizer.layouts[part] = PartitionLayout(part.numel(), segments, len(groups[i]), group=group,
+                                                  device=part.device)
+    log.info("ds_xc: %s takes layer-wise trust ratios over ZeRO stage %d partitions (%s)", type(optimizer).__name__,
+             engine.zero_optimization_stage(), type(zero).__name__)
