@@ -28,8 +28,10 @@ DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "backbone_optim.md")
 VARIANTS = {  # name: the DeepSpeed optimizer section
     "adamw 0.002": {"type": "AdamW", "params": {"lr": 0.002, "weight_decay": 0.0, "torch_adam": True}},
     "adamw 0.006": {"type": "AdamW", "params": {"lr": 0.006, "weight_decay": 0.0, "torch_adam": True}},
+    "adamw 0.01": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0, "torch_adam": True}},
     "lamb 0.002": {"type": "Lamb", "params": {"lr": 0.002, "eps": 1e-6, "exclude_bias_and_norm": True}},
     "lamb 0.01": {"type": "Lamb", "params": {"lr": 0.01, "eps": 1e-6, "exclude_bias_and_norm": True}},
+    "lamb 0.02": {"type": "Lamb", "params": {"lr": 0.02, "eps": 1e-6, "exclude_bias_and_norm": True}},
     "lars 0.5": {"type": "LARS", "params": {"lr": 0.5, "momentum": 0.9, "trust_coefficient": 0.01,
                                             "exclude_bias_and_norm": True}},
     "lars 2.0": {"type": "LARS", "params": {"lr": 2.0, "momentum": 0.9, "trust_coefficient": 0.01,
@@ -77,7 +79,7 @@ def render(rows: list, args, command: str, started: str, wall: float) -> str:
 def main(argv=None) -> list:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/text_exact_20k.json")
-    p.add_argument("--variants", default=";".join(VARIANTS), help=f"';'-separated, from: {', '.join(VARIANTS)}")
+    p.add_argument("--variants", default="adamw 0.002;adamw 0.006;lamb 0.002;lamb 0.01;lars 0.5;lars 2.0", help=f"';'-separated, from: {', '.join(VARIANTS)}")
     p.add_argument("--batch", type=int, default=1024, help="train_micro_batch_size_per_gpu (1 rank)")
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--seed", type=int, default=0)
