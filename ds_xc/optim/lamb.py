@@ -36,8 +36,8 @@ __all__ = ["Lamb"]
 class Lamb(Optimizer):
     """LAMB with per-tensor (layer-wise) trust ratio; see the module docstring for the formulas.
 
-    ``layouts`` ({flat parameter: PartitionLayout}) is set by ds_xc under ZeRO stage 1, where
-    a parameter is a flat partition of many layers (ds_xc/optim/zero.py)."""
+    ``layouts`` ({flat parameter: PartitionLayout}) is set by ds_xc under ZeRO 1/2, where
+    a parameter is a flat partition of many layers (ds_xc/optim/deepspeed.py: attach_partition_layouts)."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  max_coeff: float = 10.0, min_coeff: float = 0.01, bias_correction: bool = True,

@@ -28,7 +28,7 @@ __all__ = ["Lars"]
 class Lars(Optimizer):
     """LARS with per-tensor (layer-wise) local learning rate; see the module docstring.
 
-    ``layouts`` ({flat parameter: PartitionLayout}) is set by ds_xc under ZeRO stage 1."""
+    ``layouts`` ({flat parameter: PartitionLayout}) is set by ds_xc under ZeRO 1/2 (attach_partition_layouts)."""
 
     def __init__(self, params, lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 0.0,
                  trust_coefficient: float = 0.001, eps: float = 0.0, exclude_bias_and_norm: bool = False):

@@ -10,7 +10,7 @@ optimizers:
 * the exclusion of 1-D parameters (biases, norm layers' scales and shifts) from the trust
   ratio and from weight decay (``exclude_bias_and_norm``), as in the papers' experiments.
 
-A parameter is normally a whole tensor, and its norms are the tensor's. Under ZeRO stage 1
+A parameter is normally a whole tensor, and its norms are the tensor's. Under ZeRO stages 1 and 2
 the optimizer sees one flat partition per parameter group instead, holding slices of many
 layers, one layer possibly split between ranks; :class:`PartitionLayout` then gives, for
 every element, its layer's norm summed over the slices of all ranks (one all-reduce on the
