@@ -105,11 +105,14 @@ def pipeline(args, work: str) -> dict:
         ("scratch", [train, "--deepspeed_config", cfg["scratch"], "--save_dir", os.path.join(work, "scratch")])],
         work)}
     grow = os.path.join("launch", "grow.py")
-    times["grow (imprint, random)"] = run_all([
-        (f"grow_{init}", [grow, "--load_dir", os.path.join(work, "s1"), "--out_dir", os.path.join(work, init),
-                          "--deepspeed_config", cfg["stage2"], "--init", init]) for init in ("imprint", "random")],
-        work)
+    variants = {"imprint": ["--init", "imprint"], "random": ["--init", "random"],
+                "imprint_plain": ["--init", "imprint", "--imprint_calibration", "none"]}
+    times["grow (3 variants)"] = run_all([
+        (f"grow_{name}", [grow, "--load_dir", os.path.join(work, "s1"), "--out_dir", os.path.join(work, name),
+                          "--deepspeed_config", cfg["stage2"], *flags]) for name, flags in variants.items()], work)
     ev = {"stage 1 (C classes)": evaluate(os.path.join(work, "s1"), cfg["stage2"], small, args.eval_samples)}
+    ev["grown, imprint without calibration, 0 steps"] = evaluate(os.path.join(work, "imprint_plain"), cfg["stage2"],
+                                                                  small, args.eval_samples)
     for init in ("imprint", "random"):
         ev[f"grown, {init}, 0 steps"] = evaluate(os.path.join(work, init), cfg["stage2"], small, args.eval_samples)
     times["continue (imprint, random)"] = run_all([
@@ -132,7 +135,8 @@ def report(args, res: dict, wall: float) -> str:
              f"processes, nice 5; load average (1/5/15 min) at the end {load_average()} (other jobs share the cores)"),
              f"- ds_xc at git {res['rev']} (taken at the start)",
              f"- stage 1: the first {small} classes ({args.frac:.0%}), {args.stage1_steps} steps; grown to {big} "
-             f"classes (launch/grow.py, imprinting over 16 x {big} training samples, or random rows); then "
+             f"classes (launch/grow.py: rows imprinted over 16 x {big} training samples, calibrated "
+             f"(the default) or not, or random rows); then "
              f"{args.more_steps} more steps; the reference trains {big} classes for {res['total']} steps from the "
              "start. Config: " + ("configs/glyphs_cosface.json" if args.task == "glyphs" else
                                   "benchmarks/grow.py SYNTHETIC") + " with num_classes and max_steps set",
@@ -145,7 +149,7 @@ def report(args, res: dict, wall: float) -> str:
         lines.append(f"| {name} | {e['top1']:.4f} | {e['top1_old']:.4f} | {e['top1_new']:.4f} | "
                      f"{e['samples_old']} | {e['samples_new']} |")
     base, imp = ev["stage 1 (C classes)"], ev["grown, imprint, 0 steps"]
-    rnd = ev["grown, random, 0 steps"]
+    rnd, plain = ev["grown, random, 0 steps"], ev["grown, imprint without calibration, 0 steps"]
     scratch = ev[f"all classes from the start, {res['total']} steps"]
     cont = ev[f"grown, imprint, +{args.more_steps} steps"]
     lines += ["", "Targets (issue 18):", "",
@@ -157,6 +161,9 @@ def report(args, res: dict, wall: float) -> str:
               f"({100 * (rnd['top1_old'] - base['top1_old']):+.2f}) (target: at most -0.5)"),
               (f"- after {args.more_steps} more steps: grown (imprinted) {cont['top1']:.4f} vs all classes from the "
               f"start {scratch['top1']:.4f} ({100 * (cont['top1'] - scratch['top1']):+.2f} points; target within 1)"),
+              (f"- imprinting without the calibration (plain normalised class means): new classes "
+               f"{plain['top1_new']:.4f}, old classes {plain['top1_old']:.4f} "
+               f"({100 * (plain['top1_old'] - base['top1_old']):+.2f} points at the moment of growing)"),
               "", "Wall times: " + ", ".join(f"{k} {v:.0f} s" for k, v in res["times"].items()), ""]
     return "\n".join(lines)
 

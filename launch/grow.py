@@ -24,8 +24,11 @@ launch/reshard.py writes one: the input is never modified, ``latest`` last, atom
   embeddings times the median L2 norm of the old rows (cosine losses ignore row norms in the logits,
   so the scale only sets the new rows' effective step size, which should match an old row's; for
   plain softmax it puts a new class on the footing of a typical old class; the median, not the mean,
-  so that a few large or decayed rows do not set it). A new class without a sample in the pass gets
-  the random row. ``--init random``: row j is ``init_shard(seed, j)`` of the new JSON, i.e. exactly
+  so that a few large or decayed rows do not set it). ``--imprint_calibration match_cosine`` (the
+  default) then turns each row so that its own-class mean cosine equals the old rows' (measured on
+  ``--imprint_old_samples`` old-class samples of the pass): plain class means are more confident
+  than trained rows and take old classes' samples (docs/growing.md). A new class without a sample
+  in the pass gets the random row. ``--init random``: row j is ``init_shard(seed, j)`` of the new JSON, i.e. exactly
   the row a fresh C'-class head would start with;
 * sampler index / graph dropped (rebuilt at the first forward), RNG streams fresh, compression
   residuals reset (as reshard does); DeepSpeed's files copied with the new world size and class count.
@@ -149,27 +152,36 @@ def imprint_parts(args, raw: dict, xcfg, first: int, parts_dir: str) -> None:
     micro = int(raw.get("train_micro_batch_size_per_gpu", 256))
     total = args.imprint_samples or 16 * hcfg.num_classes
     sums = ImprintSums(first, hcfg.num_classes, hcfg.embedding_dim)
+    calibrate = args.imprint_calibration == "match_cosine"
+    old_rows, old_left = ShardRows(os.path.join(args.load_dir, args.tag)), math.ceil(args.imprint_old_samples / world)
     with torch.no_grad():
         for step in range(math.ceil(total / (micro * world))):
             x, y = data.train_batch(args.imprint_from_step + step, micro, rank, world)
             keep = y >= first
             if bool(keep.any()):
                 sums.add(backbone(x[keep]), y[keep])  # (n, d): only the new classes' samples are embedded
-    start, rows, counts = imprint_rows(sums, group)
-    atomic_save({"start": start, "rows": rows, "counts": counts}, os.path.join(parts_dir, f"rank_{rank:05d}.pt"))
+            old = torch.nonzero(~keep).squeeze(1)[: old_left if calibrate else 0]  # calibration: a few old ones
+            if old.numel():
+                rows = torch.cat([old_rows.rows(int(c), 1) for c in y[old]])  # (n, d) their trained rows
+                sums.add_old(backbone(x[old]), rows)
+                old_left -= old.numel()
+    start, rows, counts, info = imprint_rows(sums, group, calibrate=calibrate)
+    atomic_save({"start": start, "rows": rows, "counts": counts, **info},
+                os.path.join(parts_dir, f"rank_{rank:05d}.pt"))
 
 
 def imprinted_rows(parts_dir: str, head_cfg, first: int, num_classes: int, scale: float, dtype):
     """(K, d) rows from the owners' parts: unit rows times ``scale``; classes without samples random."""
     rows = random_rows(head_cfg, first, num_classes, dtype)
-    missing = 0
+    missing, info = 0, {}
     for name in sorted(os.listdir(parts_dir)):
         part = load_file(os.path.join(parts_dir, name), "imprinting part")
         lo, have = part["start"] - first, part["counts"] > 0
         block = rows[lo: lo + part["rows"].shape[0]]
         block[have] = (part["rows"][have] * scale).to(dtype)
         missing += int((~have).sum())
-    return rows, missing
+        info = {k: part[k] for k in ("kappa", "a_old", "a_new")}  # the same on every rank (all-reduced)
+    return rows, missing, info
 
 
 # ---------------------------------------------------------------------- the whole checkpoint
@@ -216,9 +228,11 @@ def write_grown(args, xcfg, meta: dict, num_classes: int, parts_dir) -> dict:
         notes.append(f"new rows {first}..{num_classes - 1}: random, init_std {hcfg.init_std}, seed {hcfg.seed}")
     else:
         scale = median_row_norm(old)
-        rows, missing = imprinted_rows(parts_dir, hcfg, first, num_classes, scale, old.dtype)
+        rows, missing, info = imprinted_rows(parts_dir, hcfg, first, num_classes, scale, old.dtype)
         notes.append(f"new rows {first}..{num_classes - 1}: imprinted, scaled to the old rows' median norm "
-                     f"{scale:.6g}; {missing} class(es) without a sample in the pass got random rows")
+                     f"{scale:.6g}; {missing} class(es) without a sample in the pass got random rows; calibration "
+                     f"{args.imprint_calibration}: own-class mean cosine of old rows {info['a_old']:.4f}, of the "
+                     f"class means {info['a_new']:.4f}, kappa {info['kappa']:.4f}")
     report = reshard_tool.reshard(args.load_dir, args.out_dir, args.world_size, args.tag, num_classes=num_classes,
                                   head=lambda s, d, w: grow_head(s, d, w, num_classes, rows))
     report.update(old_num_classes=first, num_classes=num_classes, notes=notes + report["notes"])
@@ -278,6 +292,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "classes (only the new classes' are embedded; default 16 x C')")
     p.add_argument("--imprint_from_step", type=int, default=0, help="first training step of the data set's "
                    "stream that the pass reads")
+    p.add_argument("--imprint_calibration", choices=["match_cosine", "none"], default="match_cosine",
+                   help="match_cosine: turn imprinted rows so that their own-class mean cosine equals the old "
+                   "rows' (ds_xc/head/imprint.py); none: the plain normalised class means")
+    p.add_argument("--imprint_old_samples", type=int, default=4096, help="old-class samples of the pass embedded "
+                   "for the calibration (over all ranks)")
     p.add_argument("--retire", action="store_true", help="allow num_classes < C: drop the last classes")
     p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a config key")
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", "0")))

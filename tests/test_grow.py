@@ -128,12 +128,23 @@ def test_grow_keeps_old_rows_and_state_bit_for_bit(pools, tmp_path, mode):
             assert r["loss"] == r["loss"] and r["loss"] > 0
 
 
-def _imprint_dist(rank, world, emb, labels, first, num_classes):
-    parts = torch.tensor_split(torch.arange(emb.shape[0]), [3, 20][: world - 1] if world > 1 else [])
-    mine = parts[rank]
+def _imprint_dist(rank, world, emb, labels, first, num_classes, old_emb, old_rows):
+    cuts = [3, 20][: world - 1] if world > 1 else []
+    mine, old = torch.tensor_split(torch.arange(emb.shape[0]), cuts)[rank], \
+        torch.tensor_split(torch.arange(old_emb.shape[0]), [5, 9][: world - 1] if world > 1 else [])[rank]
     sums = ImprintSums(first, num_classes, emb.shape[1])
     sums.add(emb[mine], labels[mine])
-    return imprint_rows(sums, None)
+    plain = imprint_rows(sums, None, calibrate=False)
+    sums.add_old(old_emb[old], old_rows[old])
+    return plain, imprint_rows(sums, None)
+
+
+def _turned_reference(mu, x_all, kappa):
+    """float64: k * mu + sqrt(1 - k^2) * (least-variance eigenvector, sign fixed, made orthogonal to mu)."""
+    vecs = torch.linalg.eigh(x_all.t() @ x_all).eigenvectors
+    v = vecs[:, 0] * vecs[vecs[:, 0].abs().argmax(), 0].sign()
+    r = F.normalize(v - (v @ mu) * mu, dim=0)
+    return kappa * mu + (1 - kappa**2) ** 0.5 * r
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -143,19 +154,32 @@ def test_imprint_class_parallel_equals_float64_reference(pools, world):
     labels = torch.randint(0, num_classes, (40,), generator=g)
     labels[labels == 15] = 3  # class 15 has no sample: a zero row, count 0
     emb = torch.randn(40, d, generator=g) * torch.rand(40, 1, generator=g).add(0.5)
-    results = pools(world).run(_imprint_dist, emb, labels, first, num_classes) if world > 1 else \
-        [_imprint_dist(0, 1, emb, labels, first, num_classes)]
-    for rank, (start, rows, counts) in enumerate(results):
+    old_emb, old_rows = torch.randn(12, d, generator=g), torch.randn(12, d, generator=g)  # old classes' samples
+    args = (emb, labels, first, num_classes, old_emb, old_rows)
+    results = pools(world).run(_imprint_dist, *args) if world > 1 else [_imprint_dist(0, 1, *args)]
+    xn, on = F.normalize(emb.double(), dim=1), F.normalize(old_emb.double(), dim=1)
+    new = labels >= first
+    means = {c: F.normalize(xn[labels == c].mean(0), dim=0) for c in range(first, num_classes) if (labels == c).any()}
+    a_new = torch.stack([xn[i] @ means[int(labels[i])] for i in range(40) if new[i]]).mean().item()
+    a_old = (on * F.normalize(old_rows.double(), dim=1)).sum(1).mean().item()
+    kappa = min(1.0, a_old / a_new)
+    assert kappa < 1.0  # random old rows: the calibration turns the rows
+    x_all = torch.cat([xn[new], on])
+    for rank, ((start, rows, counts, _), (start2, rows2, counts2, info)) in enumerate(results):
         off, n = new_class_range(num_classes - first, world, rank)
-        assert start == first + off and rows.shape == (n, d)
+        assert start == start2 == first + off and rows.shape == rows2.shape == (n, d)
+        assert info["kappa"] == pytest.approx(kappa, rel=1e-12) and info["a_old"] == pytest.approx(a_old, rel=1e-12)
         for i in range(n):
             c = start + i
-            x = emb[labels == c].double()
-            assert counts[i].item() == x.shape[0]
-            want = torch.zeros(d, dtype=torch.float64) if x.shape[0] == 0 else \
-                F.normalize((x / x.norm(dim=1, keepdim=True)).mean(0), dim=0)
+            assert counts[i].item() == counts2[i].item() == int((labels == c).sum())
+            want = means.get(c, torch.zeros(d, dtype=torch.float64))
             assert torch.allclose(rows[i], want, rtol=0, atol=1e-12), (c, rows[i], want)
-    assert sum(r[1].shape[0] for r in results) == num_classes - first
+            turned = _turned_reference(want, x_all, kappa) if c in means else want
+            assert torch.allclose(rows2[i], turned, rtol=0, atol=1e-10), (c, rows2[i], turned)
+            if c in means:  # a unit row turned by acos(kappa) away from the class mean
+                assert rows2[i].norm().item() == pytest.approx(1.0, abs=1e-12)
+                assert (rows2[i] @ want).item() == pytest.approx(kappa, abs=1e-12)
+    assert sum(r[0][1].shape[0] for r in results) == num_classes - first
 
 
 def _job_config(path, num_classes, steps):
@@ -173,7 +197,8 @@ def _job_config(path, num_classes, steps):
 
 def _run(args, timeout=240):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT,
+                          check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc
 
@@ -185,7 +210,8 @@ def test_imprint_from_the_command_line_and_resume(tmp_path):
     stage1, stage2 = _job_config(tmp_path / "s1.json", 24, 6), _job_config(tmp_path / "s2.json", 30, 8)
     _run([os.path.join("launch", "train.py"), "--deepspeed_config", stage1, "--save_dir", str(tmp_path / "c1")])
     proc = _run([os.path.join("launch", "grow.py"), "--load_dir", str(tmp_path / "c1"), "--out_dir",
-                 str(tmp_path / "c2"), "--deepspeed_config", stage2, "--imprint_samples", "3000"])
+                 str(tmp_path / "c2"), "--deepspeed_config", stage2, "--imprint_samples", "3000",
+                 "--imprint_calibration", "none"])
     assert "from 24 to 30 classes" in proc.stdout and "imprinted" in proc.stdout, proc.stdout
     old = ShardRows(str(tmp_path / "c1" / "step6"))
     grown = ShardRows(str(tmp_path / "c2" / "step6"))
