@@ -48,12 +48,15 @@ SYNTHETIC = {  # the synthetic task: a dense backbone, CosFace over the exact so
 }
 
 
-def job_config(task: str, num_classes: int, steps: int, path: str) -> str:
-    """The task's DeepSpeed JSON with ``num_classes`` classes and ``steps`` steps, written to ``path``."""
+def job_config(task: str, num_classes: int, steps: int, path: str, micro: int = 0) -> str:
+    """The task's DeepSpeed JSON with ``num_classes`` classes and ``steps`` steps (and ``micro`` samples
+    per step when given), written to ``path``."""
     raw = load_raw_config(os.path.join(ROOT, "configs", "glyphs_cosface.json")) if task == "glyphs" else \
         json.loads(json.dumps(SYNTHETIC))
     raw["extreme_classification"]["num_classes"] = num_classes
     raw["xc_train"].update(max_steps=steps, eval_every=0)
+    if micro:
+        raw["train_micro_batch_size_per_gpu"] = micro
     with open(path, "w") as fh:
         json.dump(raw, fh, indent=1)
     return path
@@ -97,7 +100,7 @@ def pipeline(args, work: str) -> dict:
     """Stage 1 and the from-scratch model, grow twice, continue twice; every evaluation."""
     big, small = args.classes, round(args.frac * args.classes)
     total = args.stage1_steps + args.more_steps
-    cfg = {name: job_config(args.task, n, s, os.path.join(work, f"{name}.json")) for name, n, s in
+    cfg = {name: job_config(args.task, n, s, os.path.join(work, f"{name}.json"), args.micro) for name, n, s in
            (("stage1", small, args.stage1_steps), ("stage2", big, total), ("scratch", big, total))}
     train = os.path.join("launch", "train.py")
     times = {"stage1 + scratch": run_all([
@@ -139,7 +142,8 @@ def report(args, res: dict, wall: float) -> str:
              f"(the default) or not, or random rows); then "
              f"{args.more_steps} more steps; the reference trains {big} classes for {res['total']} steps from the "
              "start. Config: " + ("configs/glyphs_cosface.json" if args.task == "glyphs" else
-                                  "benchmarks/grow.py SYNTHETIC") + " with num_classes and max_steps set",
+                                  "benchmarks/grow.py SYNTHETIC") + " with num_classes and max_steps set"
+             + (f", {args.micro} samples per step" if args.micro else ""),
              (f"- held-out top-1 over all classes of the model (stage 1: its {small}; the others: {big}), on the "
              f"same {args.eval_samples} held-out samples of the {big}-class set, split into old classes "
              f"(< {small}) and new ones; chance on the new classes is 1/{big} = {1 / big:.4f}"), "",
@@ -176,6 +180,7 @@ def main(argv=None) -> None:
     p.add_argument("--stage1_steps", type=int, default=300)
     p.add_argument("--more_steps", type=int, default=100)
     p.add_argument("--eval_samples", type=int, default=8192)
+    p.add_argument("--micro", type=int, default=0, help="samples per step (default: the config's, 256)")
     p.add_argument("--work", default="/tmp/ds_xc_grow_bench", help="checkpoints and logs (a new folder per task)")
     p.add_argument("--out", help="results file (default benchmarks/results/grow_<task>.md)")
     args = p.parse_args(argv)
