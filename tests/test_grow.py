@@ -277,3 +277,20 @@ def test_bad_requests_name_the_value(pools, tmp_path):
     os.remove(os.path.join(src, "step1", "mp_rank_00_model_states.pt"))
     _expect_exit(base + ["--out_dir", str(tmp_path / "o5"), "--deepspeed_config", cfg["ok"]],
                  "mp_rank_00_model_states.pt")
+
+
+def test_evaluate_topk_splits_old_and_new_classes():
+    from ds_xc.evaluate import evaluate_topk
+    from ds_xc.head import ClassParallelHead
+    cfg = _config("sgd-dense", C2)["extreme_classification"]
+    head = ClassParallelHead.from_config(cfg)  # one process, cosine scores (CosFace)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(60, D, generator=g), torch.randint(0, C2, (60,), generator=g)
+    batches = [(x[:30], y[:30]), (x[30:], y[30:])]
+    res = evaluate_topk(lambda t: t, head, batches, split=C)
+    pred = (F.normalize(x.double(), dim=1) @ F.normalize(head.weight.detach().double(), dim=1).t()).argmax(1)
+    hit, old = pred == y, y < C
+    assert res["samples_old"] == int(old.sum()) and res["samples_new"] == int((~old).sum())
+    assert res["top1_old"] == hit[old].double().mean().item() and res["top1_new"] == hit[~old].double().mean().item()
+    assert res["top1"] == hit.double().mean().item()
+    assert "top1_old" not in evaluate_topk(lambda t: t, head, batches)
