@@ -358,6 +358,9 @@ class TrainConfig(_Section):
                                    "vocabulary, 1e4 to 2.5e5; 0 = 100000. Must be 0 in word mode (the "
                                    "vocabulary is extreme_classification.num_classes).")
     seed: int = Field(0, ge=0, description="Seed of the backbone init and the data order.")
+    eval_class_split: int = Field(0, ge=0, description="Class id C: the held-out evaluation also reports the "
+                                  "top-1 of classes below C and of classes C and up (a grown class set's old and "
+                                  "new classes, docs/growing.md); 0 = off.")
     comm_timeout_s: float = Field(1800.0, ge=1.0, le=86400.0, description="Process-group timeout: a collective "
                                   "that waits longer (a peer died or hangs) raises, and every surviving rank "
                                   "exits naming the lost peer when it can.")

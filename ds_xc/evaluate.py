@@ -14,7 +14,7 @@ on every rank, not a hang.
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,8 +28,12 @@ __all__ = ["evaluate_topk", "tar_at_far", "verification"]
 
 @torch.no_grad()
 def evaluate_topk(embed: Callable[[torch.Tensor], torch.Tensor], head, batches: Iterable,
-                  ks: Sequence[int] = (1, 5), device=None) -> dict:
+                  ks: Sequence[int] = (1, 5), device=None, split: Optional[int] = None) -> dict:
     """{"top1": .., "top5": .., "samples": N} over the whole held-out set (all ranks).
+
+    ``split`` (a class id): also the top-1 of the samples of classes below it and of those at or
+    above it, over all classes ({"top1_old", "top1_new", "samples_old", "samples_new"}): a grown
+    class set's old and new classes (launch/grow.py, ``xc_train.eval_class_split``).
 
     ``embed`` maps inputs to embeddings (the backbone, already in eval mode). A collective
     over ``head.group``: the ranks first agree on ``ks``, then, before each batch's top-k,
@@ -43,7 +47,8 @@ def evaluate_topk(embed: Callable[[torch.Tensor], torch.Tensor], head, batches: 
             raise ValueError(f"evaluate_topk: ks={tuple(ks)!r}; expected a non-empty list of integers >= 1")
     ks = tuple(agree(tuple(int(k) for k in ks), "evaluate_topk ks", group))
     kmax = max(ks)
-    hits = torch.zeros(len(ks) + 1, dtype=torch.float64, device=head.weight.device)  # NCCL needs device tensors
+    hits = torch.zeros(len(ks) + 5, dtype=torch.float64, device=head.weight.device)  # NCCL needs device tensors
+    # hits[-5:]: samples; old-class top-1 hits, old samples; new-class top-1 hits, new samples
     it, done = iter(batches), 0
     while True:
         status, emb, labels = _next_embedded(it, embed, device, done)
@@ -56,14 +61,27 @@ def evaluate_topk(embed: Callable[[torch.Tensor], torch.Tensor], head, batches: 
         match = top == labels.to(top.device)[:, None]
         for i, k in enumerate(ks):
             hits[i] += match[:, :k].any(dim=1).sum()
-        hits[-1] += labels.shape[0]
+        hits[-5] += labels.shape[0]
+        if split is not None:
+            _count_split(hits, match[:, 0], labels.to(top.device) < split)
         done += 1
     if is_distributed(group):
         dist.all_reduce(hits, group=group)
-    n = max(hits[-1].item(), 1.0)
+    n = max(hits[-5].item(), 1.0)
     out = {f"top{k}": hits[i].item() / n for i, k in enumerate(ks)}
-    out["samples"] = int(hits[-1].item())
+    out["samples"] = int(hits[-5].item())
+    if split is not None:
+        for name, (hit, count) in (("old", hits[-4:-2].tolist()), ("new", hits[-2:].tolist())):
+            out[f"top1_{name}"], out[f"samples_{name}"] = hit / max(count, 1.0), int(count)
     return out
+
+
+def _count_split(hits: torch.Tensor, top1: torch.Tensor, old: torch.Tensor) -> None:
+    """Add the top-1 hits and sample counts of old (B,) True / new classes to hits[-4:]."""
+    hits[-4] += (top1 & old).sum()
+    hits[-3] += old.sum()
+    hits[-2] += (top1 & ~old).sum()
+    hits[-1] += (~old).sum()
 
 
 def _next_embedded(it, embed, device, done: int):

@@ -57,7 +57,7 @@ class ReshardError(RuntimeError):
 
 
 # ---------------------------------------------------------------------- the head
-def _shared_optimizer_state(rows: ShardRows) -> tuple[dict, list, set]:
+def shared_optimizer_state(rows: ShardRows) -> tuple[dict, list, set]:
     """(scalar entries, param_groups, names of row entries) of the head optimizer, checked to
     agree across the old shards (they are the same on every rank of a healthy run)."""
     first = rows.optimizer_state(0)
@@ -83,7 +83,7 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def _fresh_sampler_state(template: dict, rank: int, world_size: int) -> dict:
+def fresh_sampler_state(template: dict, rank: int, world_size: int) -> dict:
     """Sampler state for a new shard: the step count, a fresh per-rank RNG stream, no index."""
     state = {k: (None if k not in _SAMPLER_KEPT else v) for k, v in template.items()}
     gen = template.get("generator")
@@ -97,13 +97,13 @@ def _fresh_sampler_state(template: dict, rank: int, world_size: int) -> dict:
     return state
 
 
-def _new_shard(rows: ShardRows, rank: int, world_size: int, shared) -> dict:
+def new_shard(rows: ShardRows, rank: int, world_size: int, shared) -> dict:
     scalars, groups, row_keys = shared
     start, count = shard_range(rows.num_classes, world_size, rank)
     template = rows.states[0]["head"].get("_extra_state") or {}
     extra = {"num_classes": rows.num_classes, "class_start": start, "num_local": count,
              "world_size": world_size, "rank": rank, "embedding_dim": rows.embedding_dim,
-             "sampler": _fresh_sampler_state(template.get("sampler", {}), rank, world_size),
+             "sampler": fresh_sampler_state(template.get("sampler", {}), rank, world_size),
              "weight_checksum": None}  # never matches: an index is never trusted after a reshard
     optimizer = None
     if groups is not None:
@@ -119,9 +119,9 @@ def reshard_head(src_tag: str, dst_tag: str, world_size: int) -> list:
     rows = ShardRows(src_tag)
     if world_size > rows.num_classes:
         raise ReshardError(f"--world_size {world_size}: more ranks than the {rows.num_classes} classes")
-    shared = _shared_optimizer_state(rows)
+    shared = shared_optimizer_state(rows)
     for rank in range(world_size):
-        atomic_save(_new_shard(rows, rank, world_size, shared), shard_file(dst_tag, rank, world_size))
+        atomic_save(new_shard(rows, rank, world_size, shared), shard_file(dst_tag, rank, world_size))
     write_meta(dst_tag, rows.num_classes, world_size, rows.embedding_dim)
     sampler_keys = sorted(k for k in (rows.states[0]["head"].get("_extra_state") or {}).get("sampler", {})
                           if k not in _SAMPLER_KEPT)
@@ -150,8 +150,9 @@ def reset_compression(src_tag: str, dst_tag: str, old_world: int, world_size: in
             f"step {state.get('step')} kept"]
 
 
-def copy_engine_files(src_tag: str, dst_tag: str, old_world: int, world_size: int) -> list:
-    """Copy DeepSpeed's files of the tag; model states get the new world size recorded."""
+def copy_engine_files(src_tag: str, dst_tag: str, old_world: int, world_size: int, num_classes=None) -> list:
+    """Copy DeepSpeed's files of the tag; model states get the new world size (and, when the class
+    set grows, launch/grow.py, the new ``num_classes``) recorded."""
     notes = []
     zero = sorted(f for f in os.listdir(src_tag) if ZERO_STATES.search(f))
     if zero and world_size != old_world:
@@ -168,14 +169,14 @@ def copy_engine_files(src_tag: str, dst_tag: str, old_world: int, world_size: in
             shutil.copytree(src, dst)
             notes.append(f"{name}/: copied unchanged")
         elif MODEL_STATES.match(name):
-            notes.append(_copy_model_states(src, dst, world_size))
+            notes.append(_copy_model_states(src, dst, world_size, num_classes))
         else:
             shutil.copy2(src, dst)
             notes.append(f"{name}: copied unchanged")
     return notes
 
 
-def _copy_model_states(src: str, dst: str, world_size: int) -> str:
+def _copy_model_states(src: str, dst: str, world_size: int, num_classes=None) -> str:
     """ZeRO 0's replicated backbone: loads at any world size; record the new one."""
     try:
         state = load_file(src, "DeepSpeed model states")
@@ -184,6 +185,8 @@ def _copy_model_states(src: str, dst: str, world_size: int) -> str:
         return f"{os.path.basename(src)}: copied unchanged (not plain data, world size left as saved: {exc})"
     if isinstance(state.get("ds_xc"), dict):
         state["ds_xc"] = dict(state["ds_xc"], world_size=world_size)
+        if num_classes is not None:
+            state["ds_xc"]["num_classes"] = int(num_classes)
     if "dp_world_size" in state:
         state["dp_world_size"] = world_size
     atomic_save(state, dst)
@@ -191,9 +194,12 @@ def _copy_model_states(src: str, dst: str, world_size: int) -> str:
 
 
 # ---------------------------------------------------------------------- the whole checkpoint
-def reshard(load_dir: str, out_dir: str, world_size: int, tag=None) -> dict:
+def reshard(load_dir: str, out_dir: str, world_size: int, tag=None, head=None, num_classes=None) -> dict:
     """Reshard tag ``tag`` (default: ``load_dir/latest``) of ``load_dir`` into the new folder
-    ``out_dir`` for ``world_size`` ranks. Returns {"tag", "old_world_size", "world_size", "notes"}."""
+    ``out_dir`` for ``world_size`` ranks. Returns {"tag", "old_world_size", "world_size", "notes"}.
+
+    ``head(src_tag, dst_tag, world_size) -> notes`` writes the head instead of :func:`reshard_head`
+    (launch/grow.py: the same move with ``num_classes`` classes, recorded in the model states)."""
     if world_size < 1:
         raise ReshardError(f"--world_size {world_size}: must be >= 1")
     tag = resolve_tag(load_dir, tag)
@@ -211,9 +217,9 @@ def reshard(load_dir: str, out_dir: str, world_size: int, tag=None) -> dict:
     staging = os.path.join(out_dir, f".reshard_tmp_{tag}")
     try:
         os.makedirs(staging)
-        notes = reshard_head(src_tag, staging, world_size)
+        notes = (head or reshard_head)(src_tag, staging, world_size)
         notes += reset_compression(src_tag, staging, old_world, world_size)
-        notes += copy_engine_files(src_tag, staging, old_world, world_size)
+        notes += copy_engine_files(src_tag, staging, old_world, world_size, num_classes)
         write_manifest(staging, hash_files(staging, list_files(staging)))  # checksums of the new files
         for name in sorted(os.listdir(load_dir)):  # DeepSpeed's helper scripts (zero_to_fp32.py ...)
             path = os.path.join(load_dir, name)

@@ -265,7 +265,8 @@ def _evaluate(job: Job) -> dict:
     embed = (lambda x: xc.engine(x.to(cast))) if cast else xc.engine
     with xc.in_phase("evaluation"):
         res = evaluate_topk(embed, xc.head, job.data.eval_batches(job.micro, job.rank, job.world,
-                                                                  job.tcfg.eval_samples), device=xc.engine.device)
+                                                                  job.tcfg.eval_samples), device=xc.engine.device,
+                            split=job.tcfg.eval_class_split or None)  # old / new classes of a grown set
     xc.train()
     return res
 
@@ -333,7 +334,7 @@ def _finish(job: Job) -> dict:
                "evals": job.history, "sampler_stats": xc.head.sampler_stats(),
                "compression_stats": _compression_stats(xc), "overlap_stats": xc.overlap_stats().get("mean", {}),
                "verification": verified,
-               "reliability": xc.stats()}
+               "reliability": xc.stats(), **{k: v for k, v in ev.items() if k.endswith(("_old", "_new"))}}
     if job.args.summary_json and job.rank == 0:
         with open(job.args.summary_json, "w") as fh:
             json.dump(summary, fh, indent=1)
@@ -345,6 +346,9 @@ def _print_summary(job: Job, summary: dict) -> None:
     say(f"done: {summary['steps']} steps in {summary['seconds']:.1f} s, {summary['samples_per_s']:.0f} samples/s, "
         f"final loss {summary['final_loss']:.4f}, held-out top-1 {ev['top1']:.4f} top-5 {ev['top5']:.4f} "
         f"({ev['samples']} samples)")
+    if "top1_old" in ev:
+        say(f"classes below {job.tcfg.eval_class_split}: top-1 {ev['top1_old']:.4f} ({ev['samples_old']} samples); "
+            f"the others: top-1 {ev['top1_new']:.4f} ({ev['samples_new']} samples)")
     say(_head_line(job, summary))
     if verified:
         say(f"verification on held-out designs: TAR {verified['tar@far=0.001']:.4f} at FAR 1e-3, "

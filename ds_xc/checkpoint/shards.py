@@ -171,7 +171,9 @@ def check_head_checkpoint(tag_dir: str, head) -> dict:
         load_dir, tag = os.path.split(os.path.normpath(tag_dir))
         hint = (f"; or reshard it for {head.world_size} ranks: python launch/reshard.py --load_dir {load_dir} "
                 f"--tag {tag} --world_size {head.world_size} --out_dir NEW_DIR, then resume from NEW_DIR"
-                if meta["num_classes"] == head.num_classes else "")
+                if meta["num_classes"] == head.num_classes else
+                f"; or grow it to {head.num_classes} classes: python launch/grow.py --load_dir {load_dir} --tag {tag} "
+                f"--world_size {head.world_size} --out_dir NEW_DIR --deepspeed_config YOUR.json (docs/growing.md)")
         raise RuntimeError(
             f"checkpoint {tag_dir!r} holds a head of {meta['num_classes']} classes on {meta['world_size']} "
             f"ranks; this run has {head.num_classes} classes on {head.world_size} ranks. Resume it with "
