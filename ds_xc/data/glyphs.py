@@ -160,7 +160,7 @@ def load_renderings(fonts: dict[str, Path], designs: Sequence[Design], size: int
             logger.info("rendering %d characters of %s (%s face %d) at %d px", len(code_points), d.name,
                         path.name, d.face, size)
             img, cov = render_font(str(path), d.face, code_points, size)
-            tmp = key.with_suffix(".tmp.npz")
+            tmp = key.with_suffix(f".{os.getpid()}.tmp.npz")  # per process: two renderers never share it
             np.savez_compressed(tmp, images=img, covered=cov)
             os.replace(tmp, key)
             logger.info("%s covers %d of %d characters; cached in %s", d.name, int(cov.sum()), len(code_points), key)
