@@ -12,7 +12,7 @@ from pydantic import Field
 
 from ds_xc.config_base import Section
 
-__all__ = ["TopologyConfig", "REDUCTIONS"]
+__all__ = ["REDUCTIONS", "TopologyConfig"]
 
 REDUCTIONS = ("auto", "flat", "hierarchical")
 
@@ -30,3 +30,6 @@ class TopologyConfig(Section):
         0, ge=0, le=1 << 16, description="0 = the node layout from the launcher (ranks with the same hostname "
         "and node rank: GROUP_RANK, CROSS_RANK, SLURM_NODEID...); > 0 = an explicit override: consecutive "
         "blocks of this many ranks form a node (must divide the group size), e.g. to simulate nodes on one host.")
+    bucket_size_mb: float = Field(
+        16.0, gt=0.0, le=4096.0, description="Bucket size of the backbone's hierarchical reduction when ds_xc "
+        "takes it over from DeepSpeed (buckets are launched from the gradient hooks during the backward).")
