@@ -25,7 +25,7 @@ def _data(rank, n, kind):
     return torch.randn(n, generator=g, dtype=torch.float64).to(torch.float32)
 
 
-def _reduce(rank, world, rpn, node_var):
+def _reduce(rank, world, rpn, node_var, chunk, by_allreduce):
     from ds_xc.parallel.hierarchical import HierarchicalAllReduce
     old = os.environ.get("GROUP_RANK")
     if node_var == "blocks":
@@ -37,7 +37,8 @@ def _reduce(rank, world, rpn, node_var):
             layout = detect_layout(dist.group.WORLD)
         finally:
             os.environ.pop("GROUP_RANK") if old is None else os.environ.update(GROUP_RANK=old)
-    h = HierarchicalAllReduce(layout)
+    h = HierarchicalAllReduce(layout, chunk_numel=chunk)
+    h.intra_by_allreduce = by_allreduce  # gloo's default; False: reduce_scatter and all_gather
     out = {"nodes": layout.nodes}
     for kind in ("int", "float"):
         for n in LENGTHS:
@@ -52,9 +53,11 @@ def _reduce(rank, world, rpn, node_var):
     return out
 
 
-@pytest.mark.parametrize("world,node_var", [(4, "blocks"), (6, "blocks"), (4, "strided"), (6, "launcher")])
-def test_hierarchical_equals_flat(pools, world, node_var):
-    results = pools(world).run(_reduce, 2, node_var)
+@pytest.mark.parametrize("world,node_var,chunk,by_allreduce", [
+    (4, "blocks", 0, True), (6, "blocks", 500, True), (4, "strided", 500, False), (6, "launcher", 0, False)])
+def test_hierarchical_equals_flat(pools, world, node_var, chunk, by_allreduce):
+    """chunk 500: the 1001- and 4096-element tensors run as pipelines of 3 and 9 chunks, the last one short."""
+    results = pools(world).run(_reduce, 2, node_var, chunk, by_allreduce)
     nodes = world // 2
     if node_var == "strided":
         assert results[0]["nodes"] == tuple(tuple(range(i, world, nodes)) for i in range(nodes))
