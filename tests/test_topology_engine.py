@@ -48,3 +48,29 @@ def test_hierarchical_engine_step_matches_reference(pools, world, reduction, rpn
 def test_forced_hierarchical_refused_under_zero2(pools):
     with pytest.raises(RuntimeError, match="topology.reduction='hierarchical' with zero_optimization.stage=2"):
         pools(4).run(_steps, "hierarchical", 2, 1, False, 2)
+
+
+def _compressed(rank, world, by_topology):
+    body = _backbone()
+    cfg = _config(0, 1)
+    cfg["gradient_compression"] = {"method": "topk", "density": 0.3, "min_numel": 1, "warmup_steps": 1}
+    if by_topology:  # the node groups from the (simulated) layout, not set by hand
+        cfg["extreme_classification"]["topology"] = {"reduction": "auto", "ranks_per_node": 2}
+    else:
+        cfg["gradient_compression"]["hierarchy"] = {"ranks_per_node": 2}
+    xc = ds_xc.initialize(model=body, optimizer=torch.optim.SGD(body.parameters(), lr=LR_BODY), config=cfg)
+    for step in range(3):  # one dense warm-up step, two compressed
+        x, y = _batch(step, rank)
+        xc.forward_backward(x, y)
+        xc.step()
+    nodes = xc.compression.nodes
+    return {"a": xc.engine.module.weight.detach().clone(), "nodes": (nodes.num_nodes, nodes.local_size),
+            "compressed": xc.compression.stats()["compressed_steps"]}
+
+
+def test_compression_hierarchy_from_the_detected_layout(pools):
+    """The compressed reduction's node groups come from the layout: the same steps as set by hand."""
+    auto, by_hand = pools(4).run(_compressed, True), pools(4).run(_compressed, False)
+    for a, h in zip(auto, by_hand):
+        assert a["nodes"] == h["nodes"] == (2, 2) and a["compressed"] == h["compressed"] == 2
+        assert torch.equal(a["a"], h["a"])
