@@ -24,6 +24,7 @@ from typing_extensions import Annotated
 from ds_xc.config_base import (COMPRESSION_SECTION, HEAD_SECTION, TRAIN_SECTION, ConfigError,  # noqa: F401
                                Section as _Section, load_raw, validate_section, validation_error)
 from ds_xc.config_compression import parse_compression
+from ds_xc.config_topology import TopologyConfig
 
 __all__ = [
     "ConfigError", "LossConfig", "SamplerConfig", "HeadOptimizerConfig", "HeadConfig",
@@ -313,6 +314,7 @@ class HeadConfig(_Section):
         "works with either; the overlap pipeline needs data.")
     optimizer: HeadOptimizerConfig = Field(default_factory=HeadOptimizerConfig, description="Head optimizer.")
     overlap: OverlapConfig = Field(default_factory=OverlapConfig, description="Overlap pipeline.")
+    topology: TopologyConfig = Field(default_factory=TopologyConfig, description="Node layout, dense reduction.")
 
     @model_validator(mode="after")
     def _check_input_parallel(self):

@@ -69,6 +69,7 @@ def render() -> str:
     for m in typing.get_args(typing.get_args(cfg.SamplerConfig)[0]):
         out += model_table(m, f"extreme_classification.sampler (type {m.model_fields['type'].annotation.__args__[0]!r})")
     out += model_table(cfg.HeadOptimizerConfig, "extreme_classification.optimizer")
+    out += model_table(cfg.TopologyConfig, "extreme_classification.topology")  # docs/multinode.md
     out += ["## xc_train", ""] + model_table(cfg.TrainConfig, "xc_train")
     from ds_xc import config_compression as ccfg
     out += ["## gradient_compression", "",

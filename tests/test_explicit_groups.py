@@ -51,6 +51,8 @@ ALLOWED: dict[str, str] = {
     "ds_xc/parallel/groups.py:copy_subgroups": "every rank of the world gathers the others' groups before "
                                                "creating them: group creation involves the world in torch",
     "ds_xc/parallel/groups.py:world_rank_and_size": "which process this is, for messages only",
+    "ds_xc/parallel/groups.py:node_groups": "group creation is collective over the world in torch: checks that "
+                                            "the node layout covers every rank of the world",
     "ds_xc/engine/setup.py:_agreed_config": "deepspeed.initialize is collective over the world: every rank "
                                             "agrees on the config before it runs",
     "ds_xc/engine/setup.py:engine_group": "DeepSpeed's own default data-parallel group (the world) for an engine "

@@ -14,10 +14,11 @@ from ds_xc.compression.optimizer import CompressedOptimizer
 from ds_xc.compression.transport import NodeGroups, build_node_groups
 
 
-def attach_to_engine(engine, config, group=None):
-    """Wrap a DeepSpeed engine's optimizer so that it reduces the backbone gradients compressed."""
+def attach_to_engine(engine, config, group=None, node_groups=None):
+    """Wrap a DeepSpeed engine's optimizer so that it reduces the backbone gradients compressed
+    (``node_groups``: the hierarchy's NodeGroups from the detected node layout, or None)."""
     from ds_xc.compression.deepspeed import attach_to_engine as _attach
-    return _attach(engine, config, group=group)
+    return _attach(engine, config, group=group, node_groups=node_groups)
 
 
 __all__ = ["CompressedOptimizer", "GradientCompressionConfig", "parse_compression", "COMPRESSION_SECTION",

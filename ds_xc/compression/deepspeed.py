@@ -93,11 +93,13 @@ def check_engine(engine, method: str) -> None:
         raise RuntimeError("attach_to_engine: this engine's optimizer is already a CompressedOptimizer")
 
 
-def attach_to_engine(engine, config, group=None) -> CompressedOptimizer:
+def attach_to_engine(engine, config, group=None, node_groups=None) -> CompressedOptimizer:
     """Make ``engine`` reduce its module's gradients through a CompressedOptimizer; return it.
 
     ``config`` is the ``gradient_compression`` section (dict or model); ``group`` the
-    data-parallel group (default: the engine's). Call it right after ``deepspeed.initialize``.
+    data-parallel group (default: the engine's); ``node_groups`` the hierarchy's NodeGroups from the
+    detected node layout (ds_xc/engine/reduction.py; None: ``hierarchy.ranks_per_node`` decides).
+    Call it right after ``deepspeed.initialize``.
     Under ZeRO-1 ``engine.optimizer`` stays DeepSpeed's (its ``step`` runs the compressed
     reduction first: ds_xc/compression/zero.py). The residuals are per rank: save them with
     :func:`ds_xc.compression.save_compression_state` next to the engine's checkpoint (DeepSpeed
@@ -109,10 +111,10 @@ def attach_to_engine(engine, config, group=None) -> CompressedOptimizer:
         group = getattr(engine, "seq_data_parallel_group", None)
     if int(engine.zero_optimization_stage()) == 1:
         from ds_xc.compression.zero import attach_to_zero
-        return attach_to_zero(engine, cfg, group)
+        return attach_to_zero(engine, cfg, group, node_groups)
     params = [p for p in engine.module.parameters() if p.requires_grad]
     wrapper = CompressedOptimizer(engine.optimizer, cfg, group=group, params=params,
-                                  rank_state_in_state_dict=False)
+                                  rank_state_in_state_dict=False, node_groups=node_groups)
     engine.optimizer = wrapper
     engine.enable_backward_allreduce = False
     log.info("gradient_compression attached to the DeepSpeed engine: method=%s density=%g (bf16=%s); the "

@@ -61,12 +61,13 @@ class ZeroStep:
         return getattr(self.zero, name)
 
 
-def attach_to_zero(engine, cfg, group) -> CompressedOptimizer:
+def attach_to_zero(engine, cfg, group, node_groups=None) -> CompressedOptimizer:
     """Make a ZeRO-1 ``engine`` reduce its module's gradients through a CompressedOptimizer (see the
     module docstring); ``cfg`` is the parsed section, ``group`` the data-parallel group."""
     zero = engine.optimizer
     params = [p for p in engine.module.parameters() if p.requires_grad]
-    wrapper = CompressedOptimizer(ZeroStep(zero), cfg, group=group, params=params, rank_state_in_state_dict=False)
+    wrapper = CompressedOptimizer(ZeroStep(zero), cfg, group=group, params=params, rank_state_in_state_dict=False,
+                                  node_groups=node_groups)
     zero.step = wrapper.step  # shadows the class's step on this instance only
     engine.enable_backward_allreduce = False
     log.info("gradient_compression attached to a ZeRO-1 engine: method=%s density=%g; the engine's backward "

@@ -19,6 +19,7 @@ from typing import Optional
 
 from ds_xc.checkpoint import (CheckpointError, apply_head_state, atomic_save, fsync_tree, publish_tag,
                               read_head_state, resolve_tag, save_head_state)
+from ds_xc.checkpoint.shared import check_shared_dir
 from ds_xc.engine.rng import apply_rng_state, read_rng_state, rng_file, rng_state
 from ds_xc.manifest import verify_manifest_all_ranks, write_manifest_all_ranks
 from ds_xc.parallel.agree import agree, all_or_none
@@ -60,6 +61,7 @@ def save_engine_checkpoint(xc, save_dir: str, tag: Optional[str], client_state: 
     with all_or_none(f"save_checkpoint: preparing {save_dir!r}", group):
         if rank0:
             _clear_staging(save_dir)
+    check_shared_dir(save_dir, group, "save_checkpoint", create=True)  # one folder on every node, or refused
     with all_or_none(f"save_checkpoint: writing the head shards, residuals and RNG states into {staging!r}",
                      group):
         if hasattr(xc.head_optimizer, "catch_up_all"):  # update lazy_exact: save up-to-date rows
@@ -98,6 +100,7 @@ def _agreed_tag(load_dir: str, tag: Optional[str], group) -> Optional[str]:
 def load_engine_checkpoint(xc, load_dir: str, tag: Optional[str]) -> Optional[dict]:
     """Load a checkpoint into ``xc`` (an XCEngine); returns the client state, None when there is none."""
     group = xc.flag_group
+    check_shared_dir(load_dir, group, "load_checkpoint", create=False)
     tag = _agreed_tag(load_dir, tag, group)
     if tag is None:
         return None

@@ -67,7 +67,7 @@ class XCEngine:
     base_lr: Optional[float] = None
     compression: Any = None  # the CompressedOptimizer reducing the backbone, when configured
     schedule: Any = None  # ds_xc.overlap.ChunkedHeadSchedule, when extreme_classification.overlap.enabled
-    grad_reducer: Any = None  # ds_xc.overlap.BucketedGradReducer, when overlap_grad_reduce is on
+    grad_reducer: Any = None  # a BucketedGradReducer: overlap_grad_reduce, or the hierarchical reduction
     flag_group: Any = None  # a gloo copy of the engine's data-parallel group: the per-step non-finite verdict
     # (off the bucket traffic), checkpoint agreement; None in one process
     peers: list = field(default_factory=list)  # [(hostname, pid)] per rank of that group, to name a lost peer
@@ -93,6 +93,8 @@ class XCEngine:
         The loss is the global-batch mean, the same value on every rank, so every rank takes this
         decision alike without communicating (and nobody waits in DeepSpeed's gradient all-reduce)."""
         if self._loss_is_finite(loss):
+            if self.grad_reducer is not None and self.engine.is_gradient_accumulation_boundary():
+                self.grad_reducer.arm()  # ds_xc's own reduction (topology): buckets from this backward's hooks
             with self.in_phase("backward"):
                 self.engine.backward(loss)
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ds_xc import config as cfg
 from ds_xc.engine.core import XCEngine
+from ds_xc.engine.reduction import compression_nodes, plan_reduction, take_over_reduction
 from ds_xc.head import ClassParallelHead, build_head_optimizer
 from ds_xc.optim.deepspeed import attach_partition_layouts, build_backbone_optimizer, check_backbone_optimizer
 from ds_xc.parallel.agree import agree, all_or_none
@@ -174,14 +175,20 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
     head_optimizer = build_head_optimizer(head, xc_config.extreme_classification.optimizer)
     dp_group = engine_group(engine)
     compression = None
-    if xc_config.gradient_compression is not None and xc_config.gradient_compression.enabled:
+    head_cfg, comp_cfg = xc_config.extreme_classification, xc_config.gradient_compression
+    comp_on = comp_cfg is not None and comp_cfg.enabled
+    plan = plan_reduction(engine, head_cfg.topology, dp_group, comp_on)  # the node layout, flat or hierarchical
+    if comp_on:
         from ds_xc.compression import attach_to_engine  # takes over the backbone's reduction
-        compression = attach_to_engine(engine, xc_config.gradient_compression, group=dp_group)
+        compression = attach_to_engine(engine, comp_cfg, group=dp_group,
+                                       node_groups=compression_nodes(plan, comp_cfg, head_cfg.overlap))
     schedule = reducer = None
-    if xc_config.extreme_classification.overlap.enabled:
+    if head_cfg.overlap.enabled:
         from ds_xc.overlap.run import build_overlap
-        schedule, reducer = build_overlap(engine, head, xc_config.extreme_classification.overlap, compression,
-                                          head_comm_group=copy_subgroups(head_group))
+        schedule, reducer = build_overlap(engine, head, head_cfg.overlap, compression,
+                                          head_comm_group=copy_subgroups(head_group), reduction=plan.hier)
+    if reducer is None and compression is None:
+        reducer = take_over_reduction(engine, plan, head_cfg.topology, dp_group)
     flag_group = copy_subgroups(dp_group, backend="gloo")  # its own group: the verdict never queues behind buckets
     peers = gather_peers(dp_group)
     log.info("ds_xc: engine ready (ZeRO stage %d, bf16=%s), head shard %s", engine.zero_optimization_stage(),

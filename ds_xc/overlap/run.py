@@ -39,12 +39,13 @@ def check_overlap(overlap, zero_stage: int, bf16: bool) -> None:
                           "the bf16 wrapper reduce their own buffers); set overlap_grad_reduce=false")
 
 
-def build_overlap(engine, head, overlap, compression=None, head_comm_group=None):
+def build_overlap(engine, head, overlap, compression=None, head_comm_group=None, reduction=None):
     """(ChunkedHeadSchedule, BucketedGradReducer or None) for an engine and its head.
 
     ``head_comm_group``: the schedule's copy of the head's group (default: built by the
     schedule, which needs the head's group to span the world; ``initialize`` passes one made
-    by every rank with ``copy_subgroups``)."""
+    by every rank with ``copy_subgroups``). ``reduction``: the hierarchical all-reduce the
+    backbone's buckets use (None: flat; ds_xc/engine/reduction.py)."""
     check_overlap(overlap, int(engine.zero_optimization_stage()), bool(engine.bfloat16_enabled()))
     timeline = Timeline(head.weight.device)
     schedule = ChunkedHeadSchedule(head, overlap.num_chunks, timeline=timeline, comm_group=head_comm_group)
@@ -55,7 +56,8 @@ def build_overlap(engine, head, overlap, compression=None, head_comm_group=None)
         if compression is not None:
             reducer = compression.overlapped_reducer(timeline=timeline, bucket_bytes=int(overlap.bucket_size_mb * 2**20))
         else:
-            reducer = BucketedGradReducer(params, group, int(overlap.bucket_size_mb * 2**20), timeline)
+            reducer = BucketedGradReducer(params, group, int(overlap.bucket_size_mb * 2**20), timeline,
+                                          reduction=reduction)
             engine.enable_backward_allreduce = False
     log.info("overlap pipeline: %d chunks, backbone per chunk=%s, bucketed gradient reduction=%s",
              overlap.num_chunks, overlap.chunk_backbone, reducer is not None)

@@ -59,6 +59,9 @@ class BucketedGradReducer:
             the same way).
         buckets: an explicit plan, lists of parameter indices in launch order (default:
             :func:`plan_buckets`).
+        reduction: a :class:`ds_xc.parallel.hierarchical.HierarchicalAllReduce` over ``group``'s
+            nodes (None: one flat all-reduce per bucket on ``comm_group``); its buckets move through
+            their stages whenever a later bucket is launched, and in :meth:`finish`.
 
     Subclasses change what a bucket sends by overriding ``_launch(b)`` (the compressed
     reducer, ds_xc/compression/overlapped.py); they use the public :meth:`launch_remaining`
@@ -67,14 +70,18 @@ class BucketedGradReducer:
     """
 
     def __init__(self, params, group=None, bucket_bytes: int = 4 << 20, timeline: Optional[Timeline] = None,
-                 comm_group=None, overlap: bool = True, buckets: Optional[list[list[int]]] = None):
+                 comm_group=None, overlap: bool = True, buckets: Optional[list[list[int]]] = None,
+                 reduction=None):
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("BucketedGradReducer: no parameters with requires_grad=True")
         group = resolve_group(group)  # None: the world, named explicitly
         self.world = group_size(group)
         self.active = is_distributed(group)
-        self.comm_group = comm_group if comm_group is not None else copy_group(group)
+        self.reduction = reduction
+        if comm_group is None and reduction is None:
+            comm_group = copy_group(group)
+        self.comm_group = comm_group
         self.timeline, self.overlap = timeline, bool(overlap)
         self.buckets = plan_buckets(self.params, int(bucket_bytes)) if buckets is None else [list(b) for b in buckets]
         self._bucket_of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
@@ -127,8 +134,15 @@ class BucketedGradReducer:
             else:
                 view.copy_(p.grad.reshape(-1))
             offset += p.numel()
-        if self.active:  # the mean in flight; the division waits for finish()
+        if self.active and self.reduction is not None:  # earlier buckets' next stages first, then this one
+            limit = 3
+            for work in self._works[:b]:  # in bucket order: a bucket's stage never passes the previous one's
+                if work is not None:
+                    limit = work.progress(limit)
+            self._works[b] = self.reduction.mean_(buf, async_op=True)
+        elif self.active:  # the mean in flight; the division waits for finish()
             self._works[b] = all_reduce_mean_(buf, self.comm_group, async_op=True)
+        if self.active:
             if self.timeline is not None:
                 self.timeline.issued("grad_reduce", buf.numel() * buf.element_size())
 

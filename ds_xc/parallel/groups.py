@@ -161,3 +161,26 @@ def copy_group(group: ProcessGroup = None, backend=None):
                          "on every rank with ds_xc.parallel.groups.copy_subgroups(group) (or new_groups([...])) "
                          "and pass yours as comm_group=")
     return new_group(ranks=group_ranks(group), backend=backend or dist.get_backend(group))
+
+
+def node_groups(nodes, backend=None) -> tuple:
+    """(intra, intra_gather, inter) groups of a node layout for this rank (None where a group would have one rank).
+
+    ``nodes``: the world ranks of every node, equal counts (ds_xc.parallel.topology.NodeLayout.nodes).
+    ``intra`` and ``intra_gather`` both hold this rank's node (two groups so that a reduce-scatter and an
+    all-gather of different buckets never compete for one group's order); ``inter`` holds the ranks with
+    this rank's local index on every node (rank-aligned). Collective over the world: every rank calls it
+    with the same ``nodes``, which must cover the whole world."""
+    nodes = [sorted(int(r) for r in node) for node in nodes]
+    sizes = {len(node) for node in nodes}
+    if len(sizes) != 1:
+        raise ValueError(f"node_groups: nodes={nodes} must all have the same number of ranks")
+    world = dist.get_world_size(dist.group.WORLD) if dist.is_available() and dist.is_initialized() else 1
+    if sorted(r for node in nodes for r in node) != list(range(world)):
+        raise ValueError(f"node_groups: nodes={nodes} must hold every rank of the world (0..{world - 1}) once: "
+                         "torch creates groups with every rank of the world")
+    size = sizes.pop()
+    intra = new_groups(nodes, backend) if size > 1 else None
+    intra_gather = new_groups(nodes, backend) if size > 1 else None
+    inter = new_groups([[node[i] for node in nodes] for i in range(size)], backend) if len(nodes) > 1 else None
+    return intra, intra_gather, inter

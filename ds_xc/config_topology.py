@@ -1,0 +1,35 @@
+"""Section ``extreme_classification.topology``: how dense reductions follow the node layout.
+
+A model of its own (the style of ds_xc/config_compression.py) so that ds_xc/config.py only
+names it. ds_xc/parallel/topology.py reads it: the layout comes from the launcher, the mode
+decides between one flat all-reduce and the hierarchical one (ds_xc/parallel/hierarchical.py).
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from ds_xc.config_base import Section
+
+__all__ = ["REDUCTIONS", "TopologyConfig"]
+
+REDUCTIONS = ("auto", "flat", "hierarchical")
+
+
+class TopologyConfig(Section):
+    """Node layout and the dense reduction built on it (docs/multinode.md)."""
+    reduction: Literal["auto", "flat", "hierarchical"] = Field(
+        "auto", description="Dense all-reduces of the backbone's gradients (and the compressed reduction's node "
+        "groups): flat = one all-reduce over every rank; hierarchical = reduce-scatter inside each node, "
+        "all-reduce of each shard among the ranks with the same local rank on every node, all-gather inside "
+        "the node (EFLOPS' rank-aligned scheme); auto = hierarchical when there is more than one node and "
+        "every node has the same number (> 1) of ranks, else flat. Hierarchical and auto-on-several-nodes make "
+        "ds_xc own the backbone's reduction (fp32, ZeRO stage 0), as overlap_grad_reduce does.")
+    ranks_per_node: int = Field(
+        0, ge=0, le=1 << 16, description="0 = the node layout from the launcher (ranks with the same hostname "
+        "and node rank: GROUP_RANK, CROSS_RANK, SLURM_NODEID...); > 0 = an explicit override: consecutive "
+        "blocks of this many ranks form a node (must divide the group size), e.g. to simulate nodes on one host.")
+    bucket_size_mb: float = Field(
+        16.0, gt=0.0, le=4096.0, description="Bucket size of the backbone's hierarchical reduction when ds_xc "
+        "takes it over from DeepSpeed (buckets are launched from the gradient hooks during the backward).")

@@ -1,0 +1,85 @@
+"""The backbone's dense reduction on the node layout: DeepSpeed's flat all-reduce or ds_xc's hierarchical one.
+
+:func:`plan_reduction` detects the layout of the engine's data-parallel group (from the
+launcher: ds_xc/parallel/topology.py) and resolves ``extreme_classification.topology.reduction``.
+When the answer is hierarchical, ds_xc owns the backbone's reduction, the way the overlap
+pipeline's bucketed reducer does (``engine.enable_backward_allreduce = False``): a
+:class:`~ds_xc.parallel.buckets.BucketedGradReducer` on the
+:class:`~ds_xc.parallel.hierarchical.HierarchicalAllReduce`, armed before the last backward of
+an accumulation window (XCEngine.backward) and finished in XCEngine.step. The compressed
+reduction gets the same layout's node groups (:func:`compression_nodes`) unless its
+``hierarchy.ranks_per_node`` sets one by hand. That takeover is exact only for fp32 at ZeRO
+stage 0 (ZeRO and the bf16 wrapper reduce their own buffers): there, ``auto`` stays flat and
+``hierarchical`` is refused.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+from ds_xc.config import HEAD_SECTION, ConfigError
+from ds_xc.parallel.buckets import BucketedGradReducer
+from ds_xc.parallel.groups import spans_world
+from ds_xc.parallel.hierarchical import HierarchicalAllReduce
+from ds_xc.parallel.topology import NodeLayout, choose_reduction, detect_layout
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DenseReduction", "plan_reduction", "compression_nodes", "take_over_reduction"]
+
+
+@dataclass
+class DenseReduction:
+    """The layout, the mode in use ('flat' or 'hierarchical') and the hierarchical all-reduce (None when flat)."""
+    layout: NodeLayout
+    mode: str
+    hier: Optional[HierarchicalAllReduce] = None
+
+
+def _refuse_or_flat(topology, why: str) -> str:
+    if topology.reduction == "hierarchical":
+        raise ConfigError(f"{HEAD_SECTION}.topology.reduction='hierarchical' {why}; use 'auto' or 'flat'")
+    log.info("topology: flat reduction (%s)", why)
+    return "flat"
+
+
+def plan_reduction(engine, topology, group, compression: bool) -> DenseReduction:
+    """Detect ``group``'s node layout and choose the reduction (collective over ``group``, every rank alike)."""
+    layout = detect_layout(group, topology.ranks_per_node)
+    mode = choose_reduction(topology.reduction, layout)
+    stage, bf16 = int(engine.zero_optimization_stage()), bool(engine.bfloat16_enabled())
+    if mode == "hierarchical" and not compression and (stage != 0 or bf16):
+        mode = _refuse_or_flat(topology, f"with zero_optimization.stage={stage}, bf16={bf16}: ds_xc takes the "
+                               "backbone's reduction over from DeepSpeed only for fp32 at ZeRO stage 0")
+    if mode == "hierarchical" and not spans_world(group):
+        mode = _refuse_or_flat(topology, "on a data-parallel group that is a proper subgroup of the world (the node "
+                               "groups are created by every rank of the world)")
+    hier = HierarchicalAllReduce(layout) if mode == "hierarchical" else None
+    log.info("topology: %s, %s reduction (%s.topology.reduction=%r)", layout.describe(), mode, HEAD_SECTION,
+             topology.reduction)
+    return DenseReduction(layout=layout, mode=mode, hier=hier)
+
+
+def compression_nodes(plan: DenseReduction, compression_cfg, overlap_cfg):
+    """The compressed reduction's NodeGroups from the detected layout, or None (flat, set by hand, or the
+    overlapped compressed reducer, which has no hierarchy)."""
+    if plan.hier is None or compression_cfg.hierarchy.ranks_per_node > 1:
+        return None
+    if overlap_cfg.enabled and overlap_cfg.overlap_grad_reduce:
+        log.info("topology: the overlapped compressed reduction has no node hierarchy; compressing flat")
+        return None
+    from ds_xc.compression.transport import NodeGroups
+    h = plan.hier
+    return NodeGroups(intra=h.intra, inter=h.inter, local_rank=h.local_rank, local_size=h.local_size,
+                      num_nodes=h.num_nodes)
+
+
+def take_over_reduction(engine, plan: DenseReduction, topology, group) -> Optional[BucketedGradReducer]:
+    """Make ds_xc reduce the backbone hierarchically (None when the plan is flat): buckets from the hooks."""
+    if plan.hier is None:
+        return None
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+    reducer = BucketedGradReducer(params, group, int(topology.bucket_size_mb * 2**20), reduction=plan.hier)
+    engine.enable_backward_allreduce = False
+    return reducer

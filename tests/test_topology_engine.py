@@ -1,0 +1,76 @@
+"""XCEngine with extreme_classification.topology: the hierarchical backbone reduction (ds_xc owns it)
+moves the backbone and every head shard as the float64 single-process reference says, on 2 nodes
+x 2 ranks and 3 nodes x 2 (simulated with topology.ranks_per_node on loopback gloo ranks), with
+gradient accumulation; ``auto`` picks it there and stays flat on one node; refusals name the key."""
+import pytest
+import torch
+
+import ds_xc
+from ds_xc.head import shard_range
+from tests.test_engine import LR_BODY, LR_HEAD, C, _backbone, _batch, _config, check_one_step_against_reference
+
+
+def _steps(rank, world, reduction, rpn, gas, overlap=False, stage=0):
+    body = _backbone()
+    cfg = _config(stage, gas)
+    cfg["extreme_classification"]["topology"] = {"reduction": reduction, "ranks_per_node": rpn,
+                                                 "bucket_size_mb": 1e-5}
+    if overlap:
+        cfg["extreme_classification"]["overlap"] = {"enabled": True, "num_chunks": 2, "bucket_size_mb": 1e-5}
+    xc = ds_xc.initialize(model=body, optimizer=torch.optim.SGD(body.parameters(), lr=LR_BODY), config=cfg)
+    losses = []
+    for micro in range(gas):
+        x, y = _batch(micro, rank)
+        losses.append(xc.forward_backward(x, y).item())
+        xc.step()
+    reducer = xc.grad_reducer
+    return {"w1": xc.head.weight.detach().clone(), "a1": xc.engine.module.weight.detach().clone(),
+            "losses": losses, "steps": xc.global_steps, "allreduce_on": xc.engine.enable_backward_allreduce,
+            "hier": reducer is not None and reducer.reduction is not None}
+
+
+@pytest.mark.parametrize("world,reduction,rpn,gas,overlap", [
+    (4, "auto", 2, 2, False), (6, "hierarchical", 2, 1, False), (4, "hierarchical", 2, 1, True),
+    (4, "auto", 0, 1, False), (4, "flat", 2, 1, False)])
+def test_hierarchical_engine_step_matches_reference(pools, world, reduction, rpn, gas, overlap):
+    res = pools(world).run(_steps, reduction, rpn, gas, overlap)
+    a0, w0 = check_one_step_against_reference(res, world, gas)
+    expect_hier = reduction == "hierarchical" or (reduction == "auto" and rpn == 2)  # rpn 0: one host, one node
+    for rank, r in enumerate(res):
+        start, n = shard_range(C, world, rank)
+        expected = w0.detach()[start: start + n] - LR_HEAD * w0.grad[start: start + n]
+        torch.testing.assert_close(r["w1"].double(), expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(r["a1"].double(), a0.detach() - LR_BODY * a0.grad, rtol=1e-5, atol=1e-6)
+        assert r["hier"] == expect_hier and r["allreduce_on"] == (not expect_hier and not overlap)
+        assert torch.equal(r["a1"], res[0]["a1"])  # the same backbone bits on every rank
+
+
+def test_forced_hierarchical_refused_under_zero2(pools):
+    with pytest.raises(RuntimeError, match="topology.reduction='hierarchical' with zero_optimization.stage=2"):
+        pools(4).run(_steps, "hierarchical", 2, 1, False, 2)
+
+
+def _compressed(rank, world, by_topology):
+    body = _backbone()
+    cfg = _config(0, 1)
+    cfg["gradient_compression"] = {"method": "topk", "density": 0.3, "min_numel": 1, "warmup_steps": 1}
+    if by_topology:  # the node groups from the (simulated) layout, not set by hand
+        cfg["extreme_classification"]["topology"] = {"reduction": "auto", "ranks_per_node": 2}
+    else:
+        cfg["gradient_compression"]["hierarchy"] = {"ranks_per_node": 2}
+    xc = ds_xc.initialize(model=body, optimizer=torch.optim.SGD(body.parameters(), lr=LR_BODY), config=cfg)
+    for step in range(3):  # one dense warm-up step, two compressed
+        x, y = _batch(step, rank)
+        xc.forward_backward(x, y)
+        xc.step()
+    nodes = xc.compression.nodes
+    return {"a": xc.engine.module.weight.detach().clone(), "nodes": (nodes.num_nodes, nodes.local_size),
+            "compressed": xc.compression.stats()["compressed_steps"]}
+
+
+def test_compression_hierarchy_from_the_detected_layout(pools):
+    """The compressed reduction's node groups come from the layout: the same steps as set by hand."""
+    auto, by_hand = pools(4).run(_compressed, True), pools(4).run(_compressed, False)
+    for a, h in zip(auto, by_hand):
+        assert a["nodes"] == h["nodes"] == (2, 2) and a["compressed"] == h["compressed"] == 2
+        assert torch.equal(a["a"], h["a"])
