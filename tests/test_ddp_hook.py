@@ -130,9 +130,10 @@ def _run_resume(rank, world, config, tmp):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ddp_hook_resume_equals_uninterrupted(pools, world, tmp_path):
+    tol = 0.0 if world == 2 else 1e-6  # gloo's 3-rank all-reduce may sum in another order from run to run
     for r in pools(world).run(_run_resume, CONFIGS[0], str(tmp_path)):
-        assert r["param"] == 0.0 and r["residual"] == 0.0 and r["step"] == 5, r
-        assert r["fresh_param"] > 0, r
+        assert r["param"] <= tol and r["residual"] <= tol and r["step"] == 5, r
+        assert r["fresh_param"] > 1000 * max(tol, 1e-9), r
 
 
 def _run_refused(rank, world, config):
