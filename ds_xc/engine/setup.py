@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ds_xc import config as cfg
+from ds_xc.config_schedule import check_no_scheduler_clash
 from ds_xc.engine.core import XCEngine
 from ds_xc.head import ClassParallelHead, build_head_optimizer
 from ds_xc.parallel.agree import agree, all_or_none
@@ -72,6 +73,7 @@ def check_supported(raw: dict) -> None:
         from ds_xc.overlap.run import check_overlap
         check_overlap(cfg.validate_section(cfg.OverlapConfig, overlap, f"{cfg.HEAD_SECTION}.overlap"), int(stage),
                       bool(_raw_section(raw, "bf16").get("enabled", False)))
+    check_no_scheduler_clash(raw)  # adaptive_lr and DeepSpeed's scheduler section: one of them
     if cfg.HEAD_SECTION not in raw:
         raise cfg.ConfigError(f"the DeepSpeed config has no '{cfg.HEAD_SECTION}' section; add one with at "
                               "least num_classes and embedding_dim")
@@ -146,6 +148,7 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
     data-parallel group (:func:`engine_group`), passed explicitly.
     """
     raw = load_raw_config(config, args)
+    check_no_scheduler_clash(raw, lr_scheduler)
     deepspeed = cpu_friendly_deepspeed()
     if not dist.is_initialized():  # single process so far: refuse a bad config before starting a group
         check_supported(raw)
@@ -156,6 +159,10 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
     if model_parameters is None:
         model_parameters = [p for p in model.parameters() if p.requires_grad]
     base_lr = _base_lr(raw, optimizer)
+    adaptive = xc_config.adaptive_lr
+    if adaptive is not None and adaptive.enabled:  # DeepSpeed builds it around its optimizer, then steps it
+        from ds_xc.engine.adaptive_lr import adaptive_lr_factory
+        lr_scheduler = adaptive_lr_factory(adaptive)
     use_args_config = args is not None and getattr(args, "deepspeed_config", None) is not None
     engine, _, _, scheduler = deepspeed.initialize(
         args=args, model=model, model_parameters=model_parameters, optimizer=optimizer,
@@ -174,6 +181,8 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
         schedule, reducer = build_overlap(engine, head, xc_config.extreme_classification.overlap, compression,
                                           head_comm_group=copy_subgroups(head_group))
     flag_group = copy_subgroups(dp_group, backend="gloo")  # its own group: the verdict never queues behind buckets
+    if hasattr(scheduler, "bind"):  # AdaptiveLR: rank 0 of the data-parallel group decides (its gloo copy)
+        scheduler.bind(flag_group if flag_group is not None else dp_group, engine.train_batch_size())
     peers = gather_peers(dp_group)
     log.info("ds_xc: engine ready (ZeRO stage %d, bf16=%s), head shard %s", engine.zero_optimization_stage(),
              engine.bfloat16_enabled(), head.extra_repr())
