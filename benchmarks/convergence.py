@@ -1,0 +1,198 @@
+"""Iterations to accuracy: the default recipe against the adaptive-lr recipe (issue 18).
+
+For each task and seed, both recipes train with launch/train.py and the same held-out
+evaluation (top-1 over all classes, every ``--eval_every`` steps, the task's eval_samples);
+the target is the top-1 the default recipe reaches at its last step, and the result is the
+first evaluated step at which the adaptive recipe reaches it (``iterations``), against the
+default's last step: ``fewer = 1 - iterations / default_steps`` (the issue asks >= 40%).
+
+    python benchmarks/convergence.py                     # text and glyphs, seeds 0 and 1, 2 runs at a time
+    python benchmarks/convergence.py --tasks text --seeds 0
+
+Each run's summary (train.py --summary_json, plus the command, wall time, load and the git
+revision it ran at) is kept in ``--work_dir``; a run whose summary exists is reused (``--rerun``
+to redo it), so an interrupted grid finishes where it stopped. The table goes to
+benchmarks/results/convergence.md, the plot (top-1 against steps, both tasks) to convergence.png.
+One thread per process (OMP_NUM_THREADS=1), ``--jobs`` processes at a time, under ``nice``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import ROOT, cpu_model, git_rev, load_average, usable_cores, write_report  # noqa: E402
+
+TRAIN = os.path.join(ROOT, "launch", "train.py")
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+TASKS = {  # task -> the default recipe, the adaptive recipe, steps
+    "text": {"default": "configs/default.json", "adaptive": "configs/text_adaptive.json", "steps": 1200,
+             "what": "text, word pairs: ANN head over 100,000 classes (configs/default.json)"},
+    "glyphs": {"default": "configs/glyphs_cosface.json", "adaptive": "configs/glyphs_adaptive.json", "steps": 1000,
+               "what": "glyphs: CosFace, exact head over 20,000 classes (configs/glyphs_cosface.json)"},
+}
+RECIPES = ("default", "adaptive")
+
+
+def run_command(task: str, recipe: str, seed: int, steps: int, every: int, summary: str) -> list:
+    cmd = ["nice", "-n", "5", sys.executable, TRAIN, "--deepspeed_config", os.path.join(ROOT, TASKS[task][recipe]),
+           "--max_steps", str(steps), "--eval_every", str(every), "--summary_json", summary,
+           "--set", f"xc_train.seed={seed}", "--set", f"extreme_classification.seed={seed}"]
+    return cmd
+
+
+def run_one(args, task: str, recipe: str, seed: int) -> dict:
+    """One train.py run (or its kept summary): the summary with 'bench' (command, wall, load, revision)."""
+    steps = TASKS[task]["steps"]
+    key = f"{task}_{recipe}_s{seed}_{steps}steps_every{args.eval_every}"
+    summary = os.path.join(args.work_dir, key + ".json")
+    if args.rerun or not os.path.exists(summary):
+        os.makedirs(args.work_dir, exist_ok=True)
+        cmd = run_command(task, recipe, seed, steps, args.eval_every, summary)
+        rev, load0, t0 = git_rev(("ds_xc", "launch", "configs")), load_average(), time.perf_counter()
+        print(f"[{key}] {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        with open(os.path.join(args.work_dir, key + ".log"), "w") as fh:
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=env).returncode
+        if rc != 0:
+            raise RuntimeError(f"{key}: train.py failed (exit {rc}); see {args.work_dir}/{key}.log")
+        with open(summary) as fh:
+            res = json.load(fh)
+        res["bench"] = {"wall_s": time.perf_counter() - t0, "load": f"{load0} / {load_average()}",
+                        "command": cmd, "revision": rev, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        with open(summary, "w") as fh:
+            json.dump(res, fh, indent=1)
+        print(f"[{key}] done in {res['bench']['wall_s']:.0f} s: top-1 {res['top1']:.4f}", flush=True)
+    with open(summary) as fh:
+        return json.load(fh)
+
+
+def curve(res: dict) -> list:
+    """[(step, top-1)] of a run's evaluations."""
+    return [(e["step"], e["top1"]) for e in res["evals"]]
+
+
+def iterations_to(res: dict, target: float):
+    """The first evaluated step with top-1 >= target (None: not reached)."""
+    return next((s for s, t in curve(res) if t >= target), None)
+
+
+def compare(runs: dict, task: str, seed: int) -> dict:
+    base, adap = runs[task, "default", seed], runs[task, "adaptive", seed]
+    steps = curve(base)[-1][0]
+    target = base["top1"]
+    its = iterations_to(adap, target)
+    return {"task": task, "seed": seed, "target": target, "default_steps": steps,
+            "default_first": iterations_to(base, target), "adaptive_steps": its,
+            "fewer": None if its is None else 1.0 - its / steps, "adaptive_final": adap["top1"],
+            "adaptive_best": max(t for _, t in curve(adap))}
+
+
+def table(rows: list) -> list:
+    out = ["| task | seed | default top-1 at its last step (target) | default steps | default first reaches it at "
+           "| adaptive reaches it at | fewer iterations | adaptive final top-1 | adaptive best top-1 |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        its = "not reached" if r["adaptive_steps"] is None else str(r["adaptive_steps"])
+        fewer = "-" if r["fewer"] is None else f"{100 * r['fewer']:.0f}%"
+        out.append(f"| {r['task']} | {r['seed']} | {r['target']:.4f} | {r['default_steps']} | {r['default_first']} "
+                   f"| {its} | {fewer} | {r['adaptive_final']:.4f} | {r['adaptive_best']:.4f} |")
+    return out
+
+
+def curves_table(runs: dict, task: str, seeds: list) -> list:
+    steps = [s for s, _ in curve(runs[task, "default", seeds[0]])]
+    out = ["| recipe | seed | " + " | ".join(f"@{s}" for s in steps) + " | final lr |",
+           "|---|---:|" + "---:|" * len(steps) + "---:|"]
+    for recipe in RECIPES:
+        for seed in seeds:
+            res = runs[task, recipe, seed]
+            top = dict(curve(res))
+            out.append(f"| {recipe} | {seed} | " + " | ".join(f"{top[s]:.4f}" if s in top else "-" for s in steps)
+                       + f" | {res.get('final_lr', float('nan')):.3g} |")
+    return out
+
+
+def plot(runs: dict, tasks: list, seeds: list, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4.2), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        for recipe, color in zip(RECIPES, ("tab:blue", "tab:red")):
+            for seed, style in zip(seeds, ("-", "--", ":")):
+                xs, ys = zip(*curve(runs[task, recipe, seed]))
+                ax.plot(xs, ys, style, color=color, marker=".", label=f"{recipe}, seed {seed}")
+        for seed in seeds:
+            ax.axhline(runs[task, "default", seed]["top1"], color="gray", lw=0.6, ls=":")
+        ax.set_title(f"{task}: held-out top-1 (dotted: the default's final)")
+        ax.set_xlabel("optimizer steps")
+        ax.set_ylabel("top-1")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}", flush=True)
+
+
+def report(args, runs: dict, rows: list, wall: float) -> str:
+    revs = sorted({r["bench"]["revision"] for r in runs.values()})
+    lines = ["# Iterations to accuracy: default recipe vs adaptive learning rate (issue 18)", "",
+             f"- command: `{' '.join(shlex.quote(a) for a in sys.argv)}`",
+             f"- date: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} (this invocation {wall:.0f} s; "
+             "kept runs were reused)",
+             f"- CPU: {cpu_model()}, {usable_cores()} cores usable, shared with other jobs; each run is one "
+             "process of launch/train.py with OMP_NUM_THREADS=1 under nice, at most "
+             f"{args.jobs} at a time (load at start / end of each run in the per-run list below)",
+             f"- ds_xc at git {', '.join(revs)} (the revision each run ran at; this report written at "
+             f"{git_rev(('ds_xc', 'launch', 'configs'))})",
+             f"- held-out top-1 over all classes every {args.eval_every} steps, the same evaluation for both "
+             "recipes; target = the default recipe's top-1 at its last step; 'adaptive reaches it at' = "
+             "the first evaluated step at or above it (so a multiple of the evaluation interval)",
+             "- seeds: xc_train.seed = extreme_classification.seed (data order, backbone and head init)", ""]
+    lines += ["## Iterations to the default's final top-1", ""] + table(rows) + [""]
+    for task in args.tasks:
+        lines += [f"## {task}: {TASKS[task]['what']}, {TASKS[task]['steps']} steps; adaptive: "
+                  f"{TASKS[task]['adaptive']}", ""] + curves_table(runs, task, args.seeds) + [""]
+    lines += ["## Runs", ""]
+    for (task, recipe, seed), res in sorted(runs.items()):
+        b = res["bench"]
+        lines.append(f"- {task} {recipe} seed {seed}: {b['wall_s']:.0f} s wall, load {b['load']}, git "
+                     f"{b['revision']}, {b['date']}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tasks", default="text,glyphs", help="comma-separated, of " + ", ".join(TASKS))
+    p.add_argument("--seeds", default="0,1")
+    p.add_argument("--eval_every", type=int, default=100)
+    p.add_argument("--jobs", type=int, default=2, help="train.py processes at a time")
+    p.add_argument("--work_dir", default=os.path.join(RESULTS, "convergence_runs"))
+    p.add_argument("--rerun", action="store_true", help="run again even where a kept summary exists")
+    p.add_argument("--out", default=os.path.join(RESULTS, "convergence.md"))
+    p.add_argument("--plot", default=os.path.join(RESULTS, "convergence.png"))
+    args = p.parse_args(argv)
+    args.tasks = [t for t in args.tasks.split(",") if t]
+    args.seeds = [int(s) for s in args.seeds.split(",") if s]
+    t0 = time.perf_counter()
+    grid = [(t, r, s) for t in args.tasks for s in args.seeds for r in RECIPES]
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        results = list(pool.map(lambda k: run_one(args, *k), grid))
+    runs = dict(zip(grid, results))
+    rows = [compare(runs, t, s) for t in args.tasks for s in args.seeds]
+    print("\n".join(table(rows)))
+    write_report(args.out, report(args, runs, rows, time.perf_counter() - t0))
+    if args.plot != "-":
+        plot(runs, args.tasks, args.seeds, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
