@@ -183,7 +183,13 @@ def report(args, runs: dict, rows: list, wall: float) -> str:
              f"- held-out top-1 over all classes every {args.eval_every} steps, the same evaluation for both "
              "recipes; target = the default recipe's top-1 at its last step; 'adaptive reaches it at' = "
              "the first evaluated step at or above it (so a multiple of the evaluation interval)",
-             "- seeds: xc_train.seed = extreme_classification.seed (data order, backbone and head init)", ""]
+             "- seeds: xc_train.seed = extreme_classification.seed (data order, backbone and head init)",
+             "- the adaptive recipes were tuned on these two tasks (docs/convergence.md), so this is not a held-out "
+             "test of them; they train with twice the default's global batch, so 'fewer samples' is the share of "
+             "training samples saved (0% = as many samples as the default's whole run)",
+             f"- the adaptive runs stop after {', '.join(f'{t} {run_steps(args, t, 'adaptive')}' for t in args.tasks)} "
+             "steps (--adaptive_steps): enough to see whether they reach the target with at least 40% fewer "
+             "iterations", ""]
     lines += ["## Iterations to the default's final top-1", ""] + table(rows) + [""]
     for task in args.tasks:
         seeds = sorted({s for t, _, s in runs if t == task})
