@@ -187,7 +187,7 @@ def report(args, runs: dict, rows: list, wall: float) -> str:
              "- the adaptive recipes were tuned on these two tasks (docs/convergence.md), so this is not a held-out "
              "test of them; they train with twice the default's global batch, so 'fewer samples' is the share of "
              "training samples saved (0% = as many samples as the default's whole run)",
-             f"- the adaptive runs stop after {', '.join(f'{t} {run_steps(args, t, 'adaptive')}' for t in args.tasks)} "
+             f"- the adaptive runs stop after {', '.join(f'{t} {run_steps(args, t, RECIPES[1])}' for t in args.tasks)} "
              "steps (--adaptive_steps): enough to see whether they reach the target with at least 40% fewer "
              "iterations", ""]
     lines += ["## Iterations to the default's final top-1", ""] + table(rows) + [""]
