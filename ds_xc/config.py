@@ -25,6 +25,7 @@ from ds_xc.config_base import (COMPRESSION_SECTION, HEAD_SECTION, TRAIN_SECTION,
                                Section as _Section, load_raw, validate_section, validation_error)
 from ds_xc.config_compression import parse_compression
 from ds_xc.config_topology import TopologyConfig
+from ds_xc.config_schedule import ADAPTIVE_LR_SECTION, parse_adaptive_lr
 
 __all__ = [
     "ConfigError", "LossConfig", "SamplerConfig", "HeadOptimizerConfig", "HeadConfig",
@@ -386,6 +387,7 @@ class XCConfig(BaseModel):
     xc_train: TrainConfig = Field(default_factory=TrainConfig)
     # a ds_xc.config_compression.GradientCompressionConfig (parse_compression validates it)
     gradient_compression: Optional[Any] = None
+    adaptive_lr: Optional[Any] = None  # a ds_xc.config_schedule.AdaptiveLRConfig (parse_adaptive_lr validates it)
 
 
 _SECTIONS = (HEAD_SECTION, TRAIN_SECTION)
@@ -433,4 +435,6 @@ def parse_config(config: Union[str, os.PathLike, dict]) -> XCConfig:
         sections[TRAIN_SECTION] = validate_section(TrainConfig, raw[TRAIN_SECTION], TRAIN_SECTION)
     if COMPRESSION_SECTION in raw:
         sections[COMPRESSION_SECTION] = parse_compression(raw[COMPRESSION_SECTION])
+    if ADAPTIVE_LR_SECTION in raw:
+        sections[ADAPTIVE_LR_SECTION] = parse_adaptive_lr(raw[ADAPTIVE_LR_SECTION])
     return XCConfig(**sections)

@@ -57,7 +57,7 @@ def model_table(model: type[BaseModel], path: str) -> list[str]:
 
 def render() -> str:
     out = ["# ds_xc configuration reference", "",
-           "Generated from the pydantic models in `ds_xc/config.py` and `ds_xc/config_compression.py` by `python launch/config_docs.py`;",
+           "Generated from the pydantic models in `ds_xc/config.py`, `ds_xc/config_compression.py` and `ds_xc/config_schedule.py` by `python launch/config_docs.py`;",
            "a test fails when this page and the models disagree. Every section lives at the top level",
            "of the DeepSpeed JSON next to DeepSpeed's own keys. Unknown keys are errors, and an error",
            "names the key path, the value and what is allowed.", ""]
@@ -85,6 +85,12 @@ def render() -> str:
             "docs/optimizers.md) and validates `optimizer.params` here. Other types are DeepSpeed's.", ""]
     out += model_table(ocfg.LambParams, "optimizer.params (type 'Lamb')")
     out += model_table(ocfg.LarsParams, "optimizer.params (type 'LARS')")
+    from ds_xc import config_schedule as scfg
+    out += ["## adaptive_lr", "",
+            "The adaptive learning-rate schedule (docs/convergence.md): warm-up scaled to the global batch, then",
+            "decay on plateaus of the held-out metric or the smoothed training loss; `ds_xc.initialize` passes it",
+            "to DeepSpeed as its `lr_scheduler`. Not together with DeepSpeed's `scheduler` section.", ""]
+    out += model_table(scfg.AdaptiveLRConfig, "adaptive_lr")
     return "\n".join(out).rstrip() + "\n"
 
 

@@ -247,7 +247,7 @@ def _log_progress(job: Job, done: int) -> None:
     xc, loss = job.xc, job.loss
     rate = job.samples / (time.perf_counter() - job.t0)
     if job.bar is not None:
-        job.bar.set_postfix(loss=f"{loss.item():.3f}", samples_s=f"{rate:.0f}", **{
+        job.bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{_lr(job):.3g}", samples_s=f"{rate:.0f}", **{
             k: f"{v:.3f}" for k, v in job.ev.items() if k.startswith("top")})
     if job.monitor is not None:
         stats = [(f"Sampler/{k}", float(v), done) for k, v in xc.head.sampler_stats().items()]
@@ -285,12 +285,19 @@ def _verify(job: Job) -> dict:
     return res
 
 
+def _lr(job: Job) -> float:
+    """The backbone's lr for the coming step (the head's follows it with lr_schedule follow_engine)."""
+    return float(job.xc.engine.get_lr()[0])
+
+
 def _periodic_evaluation(job: Job, done: int) -> None:
     job.ev = ev = _evaluate(job)
+    job.xc.observe_metric(ev["top1"])  # an adaptive_lr schedule decides on it at the next step
     loss = job.loss.item()
-    job.history.append(dict(ev, step=done, loss=loss, seconds=time.perf_counter() - job.t0))
+    job.history.append(dict(ev, step=done, loss=loss, lr=_lr(job), seconds=time.perf_counter() - job.t0))
     if job.bar is not None:
-        job.bar.write(f"step {done}: loss {loss:.4f}, held-out top-1 {ev['top1']:.4f} top-5 {ev['top5']:.4f}")
+        job.bar.write(f"step {done}: loss {loss:.4f}, lr {_lr(job):.4g}, held-out top-1 {ev['top1']:.4f} "
+                      f"top-5 {ev['top5']:.4f}")
     if job.monitor is not None:
         job.monitor.write_events([(f"Eval/{k}", v, done) for k, v in ev.items() if k.startswith("top")])
 
@@ -324,13 +331,13 @@ def _finish(job: Job) -> dict:
     ev = job.ev = _evaluate(job)
     verified = _verify(job) if hasattr(job.data, "verification_set") else {}
     final_loss = job.loss.item() if job.tcfg.max_steps > job.start else float("nan")
-    job.history.append(dict(ev, step=job.tcfg.max_steps, loss=final_loss, seconds=elapsed))
+    job.history.append(dict(ev, step=job.tcfg.max_steps, loss=final_loss, lr=_lr(job), seconds=elapsed))
     _save(job, job.tcfg.max_steps)
     xc = job.xc
     summary = {"steps": job.tcfg.max_steps - job.start, "samples_per_s": job.samples / max(elapsed, 1e-9),
                "sampler": job.hcfg.sampler.type, "num_classes": job.hcfg.num_classes, "active": _active_share(job),
                "top1": ev["top1"], "top5": ev["top5"], "eval_samples": ev["samples"],
-               "final_loss": final_loss, "seconds": elapsed, "world_size": job.world,
+               "final_loss": final_loss, "final_lr": _lr(job), "seconds": elapsed, "world_size": job.world,
                "evals": job.history, "sampler_stats": xc.head.sampler_stats(),
                "compression_stats": _compression_stats(xc), "overlap_stats": xc.overlap_stats().get("mean", {}),
                "verification": verified,
@@ -344,8 +351,8 @@ def _finish(job: Job) -> dict:
 def _print_summary(job: Job, summary: dict) -> None:
     ev, verified = job.ev, summary["verification"]
     say(f"done: {summary['steps']} steps in {summary['seconds']:.1f} s, {summary['samples_per_s']:.0f} samples/s, "
-        f"final loss {summary['final_loss']:.4f}, held-out top-1 {ev['top1']:.4f} top-5 {ev['top5']:.4f} "
-        f"({ev['samples']} samples)")
+        f"final loss {summary['final_loss']:.4f}, final lr {summary['final_lr']:.4g}, held-out top-1 {ev['top1']:.4f} "
+        f"top-5 {ev['top5']:.4f} ({ev['samples']} samples)")
     if "top1_old" in ev:
         say(f"classes below {job.tcfg.eval_class_split}: top-1 {ev['top1_old']:.4f} ({ev['samples_old']} samples); "
             f"the others: top-1 {ev['top1_new']:.4f} ({ev['samples_new']} samples)")

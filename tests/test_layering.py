@@ -31,7 +31,8 @@ FLOORS = {
     "ds_xc.engine": 6, "ds_xc": 6,  # ds_xc/__init__.py: the public API
 }
 # the configuration models: read by every floor, import nothing but each other
-CONFIG = ("ds_xc.config", "ds_xc.config_base", "ds_xc.config_compression", "ds_xc.config_topology")
+CONFIG = ("ds_xc.config", "ds_xc.config_base", "ds_xc.config_compression", "ds_xc.config_topology",
+          "ds_xc.config_schedule")
 # beside the stack (the built-in job's data and backbones): import each other and the config only,
 # and only launch/, tests and benchmarks import them
 BESIDE = ("ds_xc.data", "ds_xc.models")

@@ -120,3 +120,25 @@ def test_recipe_runs(name, tmp_path):
 def test_default_recipe_on_two_ranks_counts_every_shard(tmp_path):
     res, out = _run("default.json", tmp_path, world=2)  # 2001 classes: shards of 1001 and 1000
     _check_summary("default.json", res, out, world=2)
+
+
+ADAPTIVE = {"text_adaptive.json": "default.json", "glyphs_adaptive.json": "glyphs_cosface.json"}
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+@pytest.mark.parametrize("name,base", sorted(ADAPTIVE.items()))
+def test_adaptive_recipe_is_its_base_with_the_schedule_batch_and_rates(name, base):
+    """The adaptive recipes of docs/convergence.md change only the global batch, the rates, the
+    adaptive_lr section and the job's length against the recipe they are measured against."""
+    new, old = _flat(_raw(name)), _flat(_raw(base))
+    changed = {k for k in set(new) | set(old) if new.get(k) != old.get(k)}
+    allowed = {"train_micro_batch_size_per_gpu", "optimizer.params.lr", "extreme_classification.optimizer.lr",
+               "xc_train.max_steps", "xc_train.eval_every"}
+    assert {k for k in changed if not k.startswith("adaptive_lr.")} <= allowed, changed
+    assert ds_xc.parse_config(_raw(name)).adaptive_lr.enabled and "scheduler" not in _raw(name)

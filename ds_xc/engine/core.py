@@ -92,11 +92,25 @@ class XCEngine:
 
         The loss is the global-batch mean, the same value on every rank, so every rank takes this
         decision alike without communicating (and nobody waits in DeepSpeed's gradient all-reduce)."""
+        self._feed_loss(loss)
         if self._loss_is_finite(loss):
             if self.grad_reducer is not None and self.engine.is_gradient_accumulation_boundary():
                 self.grad_reducer.arm()  # ds_xc's own reduction (topology): buckets from this backward's hooks
             with self.in_phase("backward"):
                 self.engine.backward(loss)
+
+    def _feed_loss(self, loss: torch.Tensor) -> None:
+        """The training loss to an adaptive lr schedule (ds_xc/engine/adaptive_lr.py), when one runs."""
+        observe = getattr(self.lr_scheduler, "observe_train_loss", None)
+        if observe is not None:
+            observe(loss.detach())
+
+    def observe_metric(self, value: float) -> None:
+        """A held-out metric (e.g. top-1 after an evaluation) for an adaptive lr schedule: rank 0's value
+        decides at the next step (ds_xc/engine/adaptive_lr.py); a no-op with any other schedule."""
+        observe = getattr(self.lr_scheduler, "observe_metric", None)
+        if observe is not None:
+            observe(value)
 
     def _loss_is_finite(self, loss: torch.Tensor) -> bool:
         if bool(torch.isfinite(loss.detach()).all()):
@@ -123,6 +137,7 @@ class XCEngine:
         from ds_xc.overlap.run import overlapped_micro_step
         with self.in_phase("overlapped forward-backward"):
             loss = overlapped_micro_step(self, inputs, labels, batch_sizes)
+        self._feed_loss(loss)
         self._loss_is_finite(loss)  # the chunks' backward may have run already: step() skips the update
         return loss
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ds_xc import config as cfg
+from ds_xc.config_schedule import check_no_scheduler_clash
 from ds_xc.engine.core import XCEngine
 from ds_xc.engine.reduction import compression_nodes, plan_reduction, take_over_reduction
 from ds_xc.head import ClassParallelHead, build_head_optimizer
@@ -76,6 +77,7 @@ def check_supported(raw: dict) -> None:
         check_overlap(cfg.validate_section(cfg.OverlapConfig, overlap, f"{cfg.HEAD_SECTION}.overlap"), int(stage),
                       bool(_raw_section(raw, "bf16").get("enabled", False)))
     check_backbone_optimizer(raw)  # "optimizer": {"type": "Lamb" | "LARS"}: ds_xc builds it (docs/optimizers.md)
+    check_no_scheduler_clash(raw)  # adaptive_lr and DeepSpeed's scheduler section: one of them
     if cfg.HEAD_SECTION not in raw:
         raise cfg.ConfigError(f"the DeepSpeed config has no '{cfg.HEAD_SECTION}' section; add one with at "
                               "least num_classes and embedding_dim")
@@ -150,6 +152,7 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
     data-parallel group (:func:`engine_group`), passed explicitly.
     """
     raw = load_raw_config(config, args)
+    check_no_scheduler_clash(raw, lr_scheduler)
     deepspeed = cpu_friendly_deepspeed()
     if not dist.is_initialized():  # single process so far: refuse a bad config before starting a group
         check_supported(raw)
@@ -162,6 +165,10 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
     model_parameters = list(model_parameters)
     optimizer, ds_raw = build_backbone_optimizer(raw, model_parameters, optimizer)  # Lamb / LARS: ours or FusedLamb
     base_lr = _base_lr(raw, optimizer)
+    adaptive = xc_config.adaptive_lr
+    if adaptive is not None and adaptive.enabled:  # DeepSpeed builds it around its optimizer, then steps it
+        from ds_xc.engine.adaptive_lr import adaptive_lr_factory
+        lr_scheduler = adaptive_lr_factory(adaptive)
     use_args_config = args is not None and getattr(args, "deepspeed_config", None) is not None
     if use_args_config and ds_raw is not raw:  # DeepSpeed must get the config without the optimizer section
         args, use_args_config = copy.copy(args), False
@@ -190,6 +197,8 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
     if reducer is None and compression is None:
         reducer = take_over_reduction(engine, plan, head_cfg.topology, dp_group)
     flag_group = copy_subgroups(dp_group, backend="gloo")  # its own group: the verdict never queues behind buckets
+    if hasattr(scheduler, "bind"):  # AdaptiveLR: rank 0 of the data-parallel group decides (its gloo copy)
+        scheduler.bind(flag_group if flag_group is not None else dp_group, engine.train_batch_size())
     peers = gather_peers(dp_group)
     log.info("ds_xc: engine ready (ZeRO stage %d, bf16=%s), head shard %s", engine.zero_optimization_stage(),
              engine.bfloat16_enabled(), head.extra_repr())
