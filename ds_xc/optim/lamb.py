@@ -26,14 +26,13 @@ bit for bit (docs/optimizers.md).
 from __future__ import annotations
 
 import torch
-from torch.optim import Optimizer
 
-from ds_xc.optim.trust import excluded_of, layer_norms, trust_ratio, where_excluded
+from ds_xc.optim.trust import LayerwiseOptimizer, excluded_of, layer_norms, trust_ratio, where_excluded
 
 __all__ = ["Lamb"]
 
 
-class Lamb(Optimizer):
+class Lamb(LayerwiseOptimizer):
     """LAMB with per-tensor (layer-wise) trust ratio; see the module docstring for the formulas.
 
     ``layouts`` ({flat parameter: PartitionLayout}) is set by ds_xc under ZeRO 1/2, where
@@ -52,23 +51,9 @@ class Lamb(Optimizer):
                     "min_coeff": min_coeff, "bias_correction": bias_correction, "eps_inside_sqrt": eps_inside_sqrt,
                     "exclude_bias_and_norm": exclude_bias_and_norm}
         super().__init__(params, defaults)
-        self.layouts = {}
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._update(p, group)
-        return loss
 
     def _update(self, p: torch.Tensor, group: dict) -> None:
-        if p.grad.is_sparse:
-            raise ValueError("Lamb: sparse gradients are not supported (the trust ratio needs the whole tensor)")
         beta1, beta2 = group["betas"]
         state = self.state[p]
         if not state:

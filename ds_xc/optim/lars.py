@@ -18,14 +18,13 @@ every step (DeepSpeed's schedulers set it). DeepSpeed has no LARS: ds_xc always 
 from __future__ import annotations
 
 import torch
-from torch.optim import Optimizer
 
-from ds_xc.optim.trust import excluded_of, layer_norms, trust_ratio, where_excluded
+from ds_xc.optim.trust import LayerwiseOptimizer, excluded_of, layer_norms, trust_ratio, where_excluded
 
 __all__ = ["Lars"]
 
 
-class Lars(Optimizer):
+class Lars(LayerwiseOptimizer):
     """LARS with per-tensor (layer-wise) local learning rate; see the module docstring.
 
     ``layouts`` ({flat parameter: PartitionLayout}) is set by ds_xc under ZeRO 1/2 (attach_partition_layouts)."""
@@ -40,23 +39,9 @@ class Lars(Optimizer):
         defaults = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay, "trust_coefficient": trust_coefficient,
                     "eps": eps, "exclude_bias_and_norm": exclude_bias_and_norm}
         super().__init__(params, defaults)
-        self.layouts = {}
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._update(p, group)
-        return loss
 
     def _update(self, p: torch.Tensor, group: dict) -> None:
-        if p.grad.is_sparse:
-            raise ValueError("Lars: sparse gradients are not supported (the trust ratio needs the whole tensor)")
         state = self.state[p]
         if not state:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)

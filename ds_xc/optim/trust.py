@@ -22,9 +22,39 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.optim import Optimizer
 
-__all__ = ["PartitionLayout", "excluded_of", "layer_norms", "trust_ratio", "where_excluded"]
+__all__ = ["LayerwiseOptimizer", "PartitionLayout", "excluded_of", "layer_norms", "trust_ratio", "where_excluded"]
 
+
+
+class LayerwiseOptimizer(Optimizer):
+    """The step loop of LAMB and LARS: each parameter with a dense gradient gets ``_update(p, group)``
+    (a trust ratio needs the whole tensor, so sparse gradients are refused, naming the optimizer);
+    ``layouts`` ({flat parameter: PartitionLayout}) is set by ds_xc under ZeRO 1/2."""
+
+    def __init__(self, params, defaults: dict):
+        super().__init__(params, defaults)
+        self.layouts = {}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError(f"{type(self).__name__}: sparse gradients are not supported (the trust ratio "
+                                     "needs the whole tensor)")
+                self._update(p, group)
+        return loss
+
+    def _update(self, p: torch.Tensor, group: dict) -> None:
+        raise NotImplementedError
 
 def trust_ratio(numerator: torch.Tensor, denominator: torch.Tensor, w_norm: torch.Tensor, u_norm: torch.Tensor,
                 low: float = 0.0, high: float = float("inf")) -> torch.Tensor:
