@@ -64,8 +64,6 @@ GROUP_MAKERS: dict[str, str] = {
     "ds_xc/parallel/groups.py:new_groups": "the helper every rank calls with the full set of groups",
     "ds_xc/parallel/groups.py:copy_group": "copies a group that spans the world (every rank is a member and calls "
                                            "it); refuses a proper subgroup",
-    "ds_xc/compression/transport.py:build_node_groups": "every rank creates every node group in the same order; "
-                                                        "refuses a data-parallel group that is a proper subgroup",
 }
 
 

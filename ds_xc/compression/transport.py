@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ds_xc.parallel.collectives import all_reduce_mean_, gather_flat, reduce_scatter_flat
-from ds_xc.parallel.groups import group_rank, group_ranks, group_size, is_distributed, new_group, spans_world
+from ds_xc.parallel.groups import block_groups, group_rank, group_ranks, group_size, is_distributed, spans_world
 from ds_xc.parallel.timeline import wait_work
 
 __all__ = ["BLOCK", "WireCounter", "sparse_allgather_mean", "start_sparse_allgather_mean", "PendingSparseMean", "values_allreduce_mean", "dense_allreduce_mean_",
@@ -210,18 +210,9 @@ def build_node_groups(ranks_per_node: int, group=None) -> NodeGroups:
                          "subgroup; torch creates groups with every rank of the world, so its members alone cannot: "
                          "create the node groups on every rank with ds_xc.parallel.groups.new_groups and pass "
                          "node_groups= (NodeGroups) to CompressedOptimizer")
-    members = group_ranks(group)
-    rank = group_rank(group)
+    members, rank = group_ranks(group), group_rank(group)
+    intra, inter = block_groups([members[a: a + ranks_per_node] for a in range(0, world, ranks_per_node)])
     num_nodes = world // ranks_per_node
-    intra = inter = None
-    for node in range(num_nodes):  # every rank creates every group, in the same order
-        g = new_group(members[node * ranks_per_node: (node + 1) * ranks_per_node])
-        if rank // ranks_per_node == node:
-            intra = g
-    for local in range(ranks_per_node):
-        g = new_group(members[local::ranks_per_node])
-        if rank % ranks_per_node == local:
-            inter = g
     return NodeGroups(intra=intra, inter=inter, local_rank=rank % ranks_per_node,
                       local_size=ranks_per_node, num_nodes=num_nodes)
 

@@ -163,14 +163,24 @@ def copy_group(group: ProcessGroup = None, backend=None):
     return new_group(ranks=group_ranks(group), backend=backend or dist.get_backend(group))
 
 
+def block_groups(nodes, backend=None) -> tuple:
+    """(this rank's node group, its rank-aligned group) of a node layout, every group created, one-rank
+    groups included: ``nodes`` are the world ranks of every node, equal counts; the rank-aligned group
+    holds the ranks with this rank's local index on every node. Collective over the world (every rank
+    calls it with the same ``nodes``, nodes first, then the rank-aligned sets)."""
+    nodes = [sorted(int(r) for r in node) for node in nodes]
+    size = len(nodes[0])
+    return new_groups(nodes, backend), new_groups([[node[i] for node in nodes] for i in range(size)], backend)
+
+
 def node_groups(nodes, backend=None) -> tuple:
     """(intra, intra_gather, inter) groups of a node layout for this rank (None where a group would have one rank).
 
     ``nodes``: the world ranks of every node, equal counts (ds_xc.parallel.topology.NodeLayout.nodes).
     ``intra`` and ``intra_gather`` both hold this rank's node (two groups so that a reduce-scatter and an
     all-gather of different buckets never compete for one group's order); ``inter`` holds the ranks with
-    this rank's local index on every node (rank-aligned). Collective over the world: every rank calls it
-    with the same ``nodes``, which must cover the whole world."""
+    this rank's local index on every node (rank-aligned, :func:`block_groups`). Collective over the world:
+    every rank calls it with the same ``nodes``, which must cover the whole world."""
     nodes = [sorted(int(r) for r in node) for node in nodes]
     sizes = {len(node) for node in nodes}
     if len(sizes) != 1:
@@ -180,7 +190,6 @@ def node_groups(nodes, backend=None) -> tuple:
         raise ValueError(f"node_groups: nodes={nodes} must hold every rank of the world (0..{world - 1}) once: "
                          "torch creates groups with every rank of the world")
     size = sizes.pop()
-    intra = new_groups(nodes, backend) if size > 1 else None
+    intra, inter = block_groups(nodes, backend)
     intra_gather = new_groups(nodes, backend) if size > 1 else None
-    inter = new_groups([[node[i] for node in nodes] for i in range(size)], backend) if len(nodes) > 1 else None
-    return intra, intra_gather, inter
+    return (intra if size > 1 else None), intra_gather, (inter if len(nodes) > 1 else None)
