@@ -10,6 +10,7 @@ and this job (``xc_train``); the flags below override the file. Only rank 0 prin
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -164,9 +165,22 @@ def _train(args, raw: dict, xcfg, rank: int, world: int) -> dict:
             _save(job, done)
     summary = _finish(job)
     _print_summary(job, summary)
+    _release(job)
     dist.barrier()
     dist.destroy_process_group()
     return summary
+
+
+def _release(job: Job) -> None:
+    """Drop the engine, the data and every tensor they hold while the interpreter is whole.
+
+    Left to interpreter teardown, objects holding process-group handles and pending work are
+    destroyed in no fixed order after Python's own state is gone, which once aborted a finished
+    1-rank run ("terminate called without an active exception", exit -6).
+    """
+    _PEERS.clear()
+    job.xc = job.data = job.bar = job.monitor = job.loss = None
+    gc.collect()
 
 
 # ---------------------------------------------------------------------- setup
