@@ -46,8 +46,9 @@ Transient bytes, per phase (what exists on top of the persistent bytes at the ph
 * index rebuild: 8 L (list of each row) + 2 L b / 8 (codes, then in list order) + 4 * 64 c d'
   (the k-means sample) (+ the tracking arrays for dense updates);
 * catch-up of every row (lazy_exact, before a rebuild, an evaluation or a save): 25 L
-  (stale-row ids, their last steps, skipped counts and a mask) + 3 blocks as above + 32 per
-  row of a block (the float64 2x2 coefficients);
+  (stale-row ids, their last steps, skipped counts and a mask) + 4 blocks of min(32768, L) x d x e
+  (6 for adamw: the gathered rows, states and the combination's temporaries) + 48 per row of
+  a block (the 2x2 coefficients in float64 and in the weight's dtype);
 * evaluation (head.topk): 4 N d (gathered) + 4 n L (scores of one chunk over the shard) +
   12 N k (candidates) + 4 L d for margin losses (a normalised copy of the shard).
 
@@ -242,9 +243,9 @@ def _upkeep_phases(head: cfg.HeadConfig, sh: _Shape, update: str, eval_k: int) -
         if update == "dense" and s.encode_interval:
             build["build_tracking"] = 4 * sh.L * dim + 4 * sh.L
         phases["index_rebuild"] = build
-    if update == "lazy_exact":
-        block = min(_OPT_BLOCK, sh.L)
-        phases["catch_up"] = {"stale_rows": 25 * sh.L, "catch_up_blocks": 3 * block * sh.d * sh.e + 32 * block}
+    if update == "lazy_exact":  # SGD: w, buf, buf * q and the new w; AdamW: w, m, v, sqrt(v), m / sqrt(v), ratio
+        block, per = min(_OPT_BLOCK, sh.L), 6 if head.optimizer.type == "adamw" else 4
+        phases["catch_up"] = {"stale_rows": 25 * sh.L, "catch_up_blocks": per * block * sh.d * sh.e + 48 * block}
     k = min(eval_k, head.num_classes)
     phases["evaluation"] = {"gathered_embeddings": 4 * sh.N * sh.d, "scores": 4 * sh.n * sh.L,
                             "candidates": 12 * sh.N * k,
