@@ -142,6 +142,16 @@ def test_bad_arguments_name_the_field(kwargs, field):
         estimate_memory(_ds_config("full-sgd-dense"), **kwargs)
 
 
+def test_global_batch_defaults_to_the_micro_batch_times_the_ranks():
+    raw = _ds_config("ann-sgd-lazy_exact")
+    given = estimate_memory(raw, world_size=3, global_batch=3 * B)
+    assert estimate_memory(raw, world_size=3) == given
+    del raw["train_micro_batch_size_per_gpu"]
+    raw.update(train_batch_size=6 * B, gradient_accumulation_steps=2)  # micro = 6 B / (2 x 3) = B
+    assert estimate_memory(raw, world_size=3) == given
+    assert estimate_memory(raw, world_size=3, global_batch=6 * B).phases["train_forward"] > given.phases["train_forward"]
+
+
 def test_bad_config_names_the_key():
     raw = _ds_config("full-sgd-dense")
     raw["extreme_classification"]["sampler"] = {"type": "ann", "code_bits": 33}

@@ -284,8 +284,12 @@ def estimate_memory(ds_config: dict, *, world_size: int, rank: int = 0, num_clas
     head = cfg.parse_config(raw).extreme_classification
     if head.num_classes < world_size:
         raise ValueError(f"estimate_memory: num_classes={head.num_classes} must be >= world_size={world_size}")
-    if global_batch is None:
-        micro = raw.get("train_micro_batch_size_per_gpu", 1)
+    if global_batch is None:  # DeepSpeed's micro batch, or train_batch_size / (accumulation x ranks)
+        micro = raw.get("train_micro_batch_size_per_gpu")
+        if micro is None:
+            gas = _check_int("gradient_accumulation_steps", raw.get("gradient_accumulation_steps", 1), 1)
+            micro = max(1, _check_int("train_batch_size", raw.get("train_batch_size", world_size), 1)
+                        // (gas * world_size))
         global_batch = _check_int("train_micro_batch_size_per_gpu", micro, 1) * world_size
     global_batch = _check_int("global_batch", global_batch, 0)
     update, _ = cfg.resolve_update(head.optimizer.update, head.sampler.type, head.dtype)
