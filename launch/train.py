@@ -25,6 +25,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 import ds_xc  # noqa: E402
+from ds_xc.cost import process_memory  # noqa: E402
 from ds_xc.data import build_dataset, dataset_kwargs  # noqa: E402
 from ds_xc.engine import describe_comm_failure, init_distributed, is_comm_failure, load_raw_config  # noqa: E402
 from ds_xc.evaluate import evaluate_topk  # noqa: E402
@@ -140,6 +141,8 @@ class Job:
     loss: Any = None  # the last micro-step's loss
     ev: dict = field(default_factory=dict)  # the latest evaluation
     history: list = field(default_factory=list)
+    step_s: list = field(default_factory=list)  # wall time of each training step
+    memory: dict = field(default_factory=dict)  # this rank's RSS / VmHWM at the job's milestones (bytes)
 
     @property
     def tcfg(self):
@@ -152,9 +155,14 @@ class Job:
 
 def _train(args, raw: dict, xcfg, rank: int, world: int) -> dict:
     """Set up, run the steps (each: train, log, evaluate and save when due), then summarise."""
-    job = _setup(Job(args=args, raw=raw, xcfg=xcfg, rank=rank, world=world))
+    job = Job(args=args, raw=raw, xcfg=xcfg, rank=rank, world=world)
+    job.memory["baseline"] = process_memory()["rss"]  # torch, deepspeed and the process group, nothing of ours
+    job = _setup(job)
+    job.memory["after_setup"] = process_memory()["rss"]
     for step in range(job.start, job.tcfg.max_steps):
+        began = time.perf_counter()
         _train_step(job, step)
+        job.step_s.append(time.perf_counter() - began)
         done = step + 1
         _log_progress(job, done)
         if job.bar is not None:
@@ -342,7 +350,9 @@ def _finish(job: Job) -> dict:
     elapsed = time.perf_counter() - job.t0
     if job.bar is not None:
         job.bar.close()
+    job.memory.update({"after_training": process_memory()["rss"], "training_peak": process_memory()["peak"]})
     ev = job.ev = _evaluate(job)
+    job.memory["peak"] = process_memory()["peak"]
     verified = _verify(job) if hasattr(job.data, "verification_set") else {}
     final_loss = job.loss.item() if job.tcfg.max_steps > job.start else float("nan")
     job.history.append(dict(ev, step=job.tcfg.max_steps, loss=final_loss, lr=_lr(job), seconds=elapsed))
@@ -355,11 +365,28 @@ def _finish(job: Job) -> dict:
                "evals": job.history, "sampler_stats": xc.head.sampler_stats(),
                "compression_stats": _compression_stats(xc), "overlap_stats": xc.overlap_stats().get("mean", {}),
                "verification": verified,
-               "reliability": xc.stats(), **{k: v for k, v in ev.items() if k.endswith(("_old", "_new"))}}
+               "reliability": xc.stats(), **{k: v for k, v in ev.items() if k.endswith(("_old", "_new"))},
+               "ranks": _rank_report(job)}
     if job.args.summary_json and job.rank == 0:
         with open(job.args.summary_json, "w") as fh:
             json.dump(summary, fh, indent=1)
     return summary
+
+
+def _rank_report(job: Job) -> list:
+    """Per rank (gathered over the world): its memory milestones (bytes: ``baseline`` after the imports and
+    the process group, ``after_setup`` with the engine and head built, ``after_training`` before the final
+    evaluation, ``training_peak`` and ``peak`` the VmHWM before and after it), the median step time, the
+    ANN index build times and the backbone's parameter count (benchmarks/scale_classes.py compares them
+    with ds_xc.cost.estimate_memory)."""
+    steps = sorted(job.step_s)
+    mine = {"rank": job.rank, "memory": dict(job.memory), "step_s_median": steps[len(steps) // 2] if steps else None,
+            "index_build_s": list(getattr(job.xc.head.sampler, "build_seconds", [])),
+            "num_local": job.xc.head.num_local,
+            "backbone_params": sum(p.numel() for p in job.xc.engine.module.parameters())}
+    out = [None] * job.world
+    dist.all_gather_object(out, mine, group=dist.group.WORLD)
+    return out
 
 
 def _print_summary(job: Job, summary: dict) -> None:

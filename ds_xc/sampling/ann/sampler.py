@@ -24,6 +24,7 @@ of the weights goes through ``read_rows`` first, which catches stale rows up und
 from __future__ import annotations
 
 import logging
+import time
 from typing import Optional
 
 import torch
@@ -69,6 +70,7 @@ class AnnSampler(Sampler):
         self.metric = "cosine"  # set by the head: "dot" for plain softmax (logits x.w)
         self.num_classes = num_local  # set by the head: classes of the whole head (the budgets' shares)
         self.last_stats: dict = {}
+        self.build_seconds: list = []  # wall time of each rebuild (catch-up of stale rows included)
         self.last_retrieved: Optional[torch.Tensor] = None  # (N, r) local ids of the last step
         self._executor = self._pending = self._pending_index = None  # background rebuild
         self._snapshot_step, self._changed_since = 0, []
@@ -81,13 +83,16 @@ class AnnSampler(Sampler):
 
     def rebuild(self, weight: torch.Tensor) -> None:
         """Rebuild the index from ``weight`` now (k-means, lists, every code)."""
+        start = time.perf_counter()
         if self.index is None:
             self.index = self._new_index(weight.shape[1])
         self.read_rows(None)
         self.index.build(weight)
         self.built_at, self.dirty = self.steps, None
-        log.info("ANN index of classes [%d, %d) rebuilt at step %d (%d lists)", self.class_start,
-                 self.class_start + self.num_local, self.steps, self.index.centroids.shape[0])
+        self.build_seconds.append(time.perf_counter() - start)
+        log.info("ANN index of classes [%d, %d) rebuilt at step %d (%d lists) in %.2f s", self.class_start,
+                 self.class_start + self.num_local, self.steps, self.index.centroids.shape[0],
+                 self.build_seconds[-1])
 
     def invalidate(self) -> None:
         """Forget the index: the next forward rebuilds it."""
