@@ -200,7 +200,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--step_repeats", type=int, default=2, help="runs per mode and link of the step measurement")
     p.add_argument("--rate", default="1gbit")
-    p.add_argument("--chunk_numel", type=int, default=1 << 18, help="pipelining chunk of the hierarchical reduce")
+    p.add_argument("--chunk_numel", type=int, default=1 << 20, help="pipelining chunk of the hierarchical reduce")
     p.add_argument("--probe_numel", type=int, default=(16 << 20) // 4, help="auto's probe (topology.bucket_size_mb)")
     p.add_argument("--where", default=None,
                    help="comma-separated links of the reduce (default: RATE,RATE/nic,none,none/nic,loopback)")

@@ -57,7 +57,7 @@ class HierarchicalAllReduce:
     pipelining granularity (0: one chunk). ``intra_mode``: how the node stages run (module docstring;
     None: ``alltoall`` on gloo, ``native`` elsewhere)."""
 
-    def __init__(self, layout: NodeLayout, backend=None, chunk_numel: int = 1 << 18,
+    def __init__(self, layout: NodeLayout, backend=None, chunk_numel: int = 1 << 20,
                  intra_mode: Optional[str] = None):
         if not layout.regular:
             raise ValueError(f"HierarchicalAllReduce: {layout.describe()} is not regular (every node must hold "
