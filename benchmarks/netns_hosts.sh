@@ -43,7 +43,7 @@ while getopts "H:n:r:m:c:h" opt; do
     m) MTU="$OPTARG" ;;
     c) COUNTERS="$OPTARG" ;;
     n) NICS="$OPTARG" ;;
-    h) sed -n '2,33p' "$0"; exit 0 ;;
+    h) sed -n '2,31p' "$0"; exit 0 ;;
     *) exit 2 ;;
   esac
 done
