@@ -1,22 +1,29 @@
 """Hierarchical vs flat dense all-reduce across "hosts": 2 network namespaces x 2 ranks each.
 
     sudo python benchmarks/hierarchical_reduce.py [--numel 10000000] [--repeats 5] [--steps 6]
-        [--rate 1gbit] [--out benchmarks/results/hierarchical_reduce.md]
+        [--rate 1gbit] [--where 1gbit,1gbit/nic,none,none/nic,loopback] [--out ...]
 
-Three measurements, each under benchmarks/netns_hosts.sh (2 hosts behind a switch; ranks of one
-host talk over its loopback, unshaped) with the inter-host links shaped by tc tbf at --rate and
-unshaped ("none"), plus 4 ranks on the plain loopback of one host with the 2x2 layout simulated
-(topology.ranks_per_node=2):
+Measurements under benchmarks/netns_hosts.sh (2 hosts behind a switch) on links named by
+--where: RATE (tc tbf on the inter-host links) or "none" (unshaped veth), either with one NIC
+per host (its ranks talk over the host's loopback and share its link) or, with the suffix
+"/nic", one NIC per rank (netns_hosts.sh -n 2: each rank its own shaped link into the switch,
+the host's ranks joined by an unshaped bridge; EFLOPS' multi-NIC hosts), plus "loopback": 4
+ranks on the plain loopback of one host with the 2x2 layout simulated (topology.ranks_per_node=2):
 
 1. reduce: the mean of a --numel float32 gradient over the 4 ranks, one flat gloo all-reduce vs
-   ds_xc.parallel.hierarchical.HierarchicalAllReduce (layout from the launcher's variables),
-   median of --repeats after one warm-up, each timed from a barrier to the slowest rank's end;
-   the results are checked equal (float tolerance) against each other.
+   ds_xc.parallel.hierarchical.HierarchicalAllReduce (layout from the launcher's variables) with
+   its node stages by all_to_all (the default) and by all-reduce (the previous scheme), modes
+   alternating, median of --repeats after one warm-up, each timed from a barrier to the slowest
+   rank's end; the results are checked equal (float tolerance) against each other. Then auto's
+   probe (ds_xc.parallel.reduction_probe, a 16 MB bucket as in configs/default.json) is run and
+   its choice reported.
 2. step: launch/train.py with configs/default.json for --steps steps under the DeepSpeed launcher
-   (--no_ssh, one launcher per host), extreme_classification.topology.reduction=flat vs
-   hierarchical, --step_repeats runs per mode, alternating (the machine's load drifts), median.
-   The time per step is a run's training seconds over its steps (the first step's ANN index
-   build included in both modes); 1024 held-out samples are evaluated at the end.
+   (--no_ssh, one launcher per host; with "/nic" each rank is moved into its namespace by
+   benchmarks/rank_netns.sh through --no_python), extreme_classification.topology.reduction =
+   each of --step_modes, --step_repeats runs per mode, alternating (the machine's load drifts),
+   median. The time per step is a run's training seconds over its steps (the first step's ANN
+   index build included in every mode; auto's probe runs at initialize, outside them); 1024
+   held-out samples are evaluated at the end. auto's choice is read from the run's log.
 
 Writes a table with the command line and the git revision in its header.
 """
@@ -25,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -36,6 +44,7 @@ sys.path.insert(0, ROOT)
 from benchmarks.harness import free_port, git_rev, load_average, write_report  # noqa: E402
 
 HOSTS_SH = os.path.join(ROOT, "benchmarks", "netns_hosts.sh")
+RANK_SH = os.path.join(ROOT, "benchmarks", "rank_netns.sh")
 BIN = os.path.dirname(sys.executable)
 
 
@@ -46,17 +55,20 @@ def worker(args) -> None:
 
     from ds_xc.parallel.hierarchical import HierarchicalAllReduce
     from ds_xc.parallel.topology import detect_layout
+    from ds_xc.parallel.reduction_probe import probe_reduction
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     world = dist.group.WORLD  # the benchmark's whole job
     layout = detect_layout(world, args.ranks_per_node)
-    hier = HierarchicalAllReduce(layout, chunk_numel=args.chunk_numel)
+    hiers = {"hierarchical": HierarchicalAllReduce(layout, chunk_numel=args.chunk_numel),
+             "hier_allreduce": HierarchicalAllReduce(layout, chunk_numel=args.chunk_numel, intra_mode="allreduce")}
     rank, size = dist.get_rank(world), dist.get_world_size(world)
     grad = torch.randn(args.numel, generator=torch.Generator().manual_seed(rank))  # (n,) float32
-    times: dict = {"flat": [], "hierarchical": []}
+    modes = ("flat", "hierarchical", "hier_allreduce")
+    times: dict = {m: [] for m in modes}
     results = {}
     for it in range(args.repeats + 1):
-        for mode in ("flat", "hierarchical"):
+        for mode in (modes if it % 2 == 0 else modes[::-1]):  # alternating: the load drifts
             buf = grad.clone()
             dist.barrier(group=world)
             t = time.perf_counter()
@@ -64,16 +76,18 @@ def worker(args) -> None:
                 dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=world)
                 buf.div_(size)
             else:
-                hier.mean_(buf)
+                hiers[mode].mean_(buf)
             took = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
             dist.all_reduce(took, op=dist.ReduceOp.MAX, group=world)  # the slowest rank's time
             if it > 0:
                 times[mode].append(float(took))
             results[mode] = buf
-    diff = float((results["flat"] - results["hierarchical"]).abs().max())
+    diff = max(float((results["flat"] - results[m]).abs().max()) for m in modes[1:])
+    auto, probe = probe_reduction(hiers["hierarchical"], world, args.probe_numel, 3)
     if rank == 0:
         with open(args.json, "w") as fh:
-            json.dump({"layout": layout.describe(), "times": times, "max_abs_diff": diff}, fh)
+            json.dump({"layout": layout.describe(), "times": times, "max_abs_diff": diff, "auto": auto,
+                       "probe": probe}, fh)
     dist.barrier(group=world)
     dist.destroy_process_group()
 
@@ -88,40 +102,95 @@ def _run(cmd, timeout):
     return proc.stdout + proc.stderr
 
 
-def _hosts(rate):
-    return [HOSTS_SH, "-H", "2", "-r", rate, "--"]
+def _hosts(where):
+    """netns_hosts.sh for a --where entry (RATE or RATE/nic) and the per-rank wrapper ([] with one NIC per host)."""
+    rate, _, nic = where.partition("/")
+    if nic:
+        return [HOSTS_SH, "-H", "2", "-n", "2", "-r", rate, "--"], [RANK_SH, sys.executable]
+    return [HOSTS_SH, "-H", "2", "-r", rate, "--"], []
 
 
 def measure_reduce(args, where: str, tmp: str) -> dict:
-    out = os.path.join(tmp, f"reduce_{where}.json")
+    out = os.path.join(tmp, f"reduce_{where}.json".replace("/", "_"))
     script = [os.path.abspath(__file__), "--worker", "--numel", str(args.numel), "--repeats", str(args.repeats),
-              "--json", out, "--chunk_numel", str(args.chunk_numel)]
+              "--json", out, "--chunk_numel", str(args.chunk_numel), "--probe_numel", str(args.probe_numel)]
     if where == "loopback":
         cmd = [os.path.join(BIN, "torchrun"), "--nproc_per_node", "4", "--master_port", str(free_port())] + script + \
             ["--ranks_per_node", "2"]
     else:
-        cmd = _hosts(where) + [os.path.join(BIN, "torchrun"), "--nnodes", "2", "--nproc_per_node", "2", "--node_rank",
-                               "{node}", "--master_addr", "{master}", "--master_port", str(free_port())] + script
+        hosts, wrap = _hosts(where)
+        cmd = hosts + [os.path.join(BIN, "torchrun")] + (["--no-python"] if wrap else []) + \
+            ["--nnodes", "2", "--nproc_per_node", "2", "--node_rank", "{node}", "--master_addr", "{master}",
+             "--master_port", str(free_port())] + wrap + script
     _run(cmd, 900)
     with open(out) as fh:
         return json.load(fh)
 
 
 def measure_step(args, where: str, mode: str, tmp: str) -> dict:
-    out = os.path.join(tmp, f"step_{where}_{mode}.json")
+    out = os.path.join(tmp, f"step_{where}_{mode}.json".replace("/", "_"))
     config = os.path.join(ROOT, "configs", "default.json")
     train = [os.path.join(ROOT, "launch", "train.py"), "--deepspeed_config", config,
              "--max_steps", str(args.steps), "--eval_every", "0", "--summary_json", out,
-             "--set", f"extreme_classification.topology.reduction={mode}", "--set", "xc_train.eval_samples=1024"]
+             "--set", f"extreme_classification.topology.reduction={mode}", "--set", "xc_train.eval_samples=1024",
+             "--verbose"]
     hostfile = os.path.join(tmp, "hostfile")
     with open(hostfile, "w") as fh:
         fh.write("host0 slots=2\nhost1 slots=2\n")
-    cmd = _hosts(where) + [os.path.join(BIN, "deepspeed"), "--hostfile", hostfile, "--no_ssh", "--node_rank", "{node}",
-                           "--master_addr", "{master}", "--master_port", str(free_port())] + train
-    _run(cmd, 1800)
+    hosts, wrap = _hosts(where)
+    cmd = hosts + [os.path.join(BIN, "deepspeed"), "--hostfile", hostfile, "--no_ssh", "--node_rank", "{node}",
+                   "--master_addr", "{master}", "--master_port", str(free_port())] + \
+        (["--no_python", "--no_local_rank"] if wrap else []) + wrap + train
+    log = _run(cmd, 1800)
     with open(out) as fh:
         s = json.load(fh)
-    return {"step_s": s["seconds"] / s["steps"], "final_loss": s["final_loss"]}
+    chosen = re.findall(r"topology: auto probe .*?flat ([0-9.]+) s, hierarchical ([0-9.]+) s -> (\w+)", log)
+    return {"step_s": s["seconds"] / s["steps"], "final_loss": s["final_loss"],
+            "auto": chosen[0][2] if chosen else None}
+
+
+def _link(where: str, rate: str) -> str:
+    if where == "loopback":
+        return "1 host, 4 ranks, 2x2 simulated"
+    r, _, nic = where.partition("/")
+    shaped = f"tbf {r}" if r != "none" else "unshaped veth"
+    return f"2 hosts x 2, {'one NIC per rank' if nic else 'one NIC per host'}, {shaped}"
+
+
+def _reduce_table(args, rows) -> list:
+    lines = [f"## Mean of a {args.numel:,}-element float32 gradient over 4 ranks "
+             f"(median of {args.repeats}, slowest rank, modes alternating)", "",
+             "hierarchical: node stages by all_to_all + local sum and all_gather (the default); hier. (all-reduce "
+             "node stages): the previous scheme. auto: the choice of the probe (a 16 MB bucket, median of 3, "
+             "probe times flat / hierarchical).", "",
+             "| links | flat (s) | hierarchical (s) | speed-up | hier. (all-reduce node stages) (s) | speed-up | "
+             "auto picks (probe s) | auto vs flat | max abs diff |", "|---|---|---|---|---|---|---|---|---|"]
+    for where, r in rows:
+        t = {m: statistics.median(v) for m, v in r["times"].items()}
+        f, h, a = t["flat"], t["hierarchical"], t["hier_allreduce"]
+        pick = t[r["auto"]]
+        lines.append(f"| {_link(where, args.rate)} | {f:.3f} | {h:.3f} | {f / h:.2f}x | {a:.3f} | {f / a:.2f}x | "
+                     f"{r['auto']} ({r['probe']['flat']:.3f} / {r['probe']['hierarchical']:.3f}) | {f / pick:.2f}x | "
+                     f"{r['max_abs_diff']:.1e} |")
+    return lines
+
+
+def _step_table(args, steps, modes) -> list:
+    lines = ["", f"## End-to-end step of configs/default.json ({args.steps} steps, 2 hosts x 2 ranks, "
+             "DeepSpeed launcher --no_ssh)", "", f"Median of {args.step_repeats} runs per mode, alternating.", "",
+             "| links | " + " | ".join(f"{m} (s/step)" for m in modes) + " | hierarchical speed-up | auto picks | "
+             "auto vs flat | each run (s/step), " + " / ".join(modes) + " | final loss, " + " / ".join(modes) + " |",
+             "|---" * (len(modes) + 6) + "|"]
+    for where, runs in steps:
+        med = {m: statistics.median(r["step_s"] for r in runs[m]) for m in modes}
+        picks = sorted({r["auto"] for r in runs.get("auto", []) if r["auto"]})
+        each = " / ".join(", ".join(f"{r['step_s']:.2f}" for r in runs[m]) for m in modes)
+        speed = f"{med['flat'] / med['hierarchical']:.2f}x" if {"flat", "hierarchical"} <= set(modes) else "-"
+        auto = f"{med['flat'] / med['auto']:.2f}x" if {"flat", "auto"} <= set(modes) else "-"
+        lines.append(f"| {_link(where, args.rate)} | " + " | ".join(f"{med[m]:.3f}" for m in modes) +
+                     f" | {speed} | {', '.join(picks) or '-'} | {auto} | {each} | " +
+                     " / ".join(f"{runs[m][0]['final_loss']:.4f}" for m in modes) + " |")
+    return lines
 
 
 def main(argv=None) -> int:
@@ -131,8 +200,12 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--step_repeats", type=int, default=2, help="runs per mode and link of the step measurement")
     p.add_argument("--rate", default="1gbit")
-    p.add_argument("--chunk_numel", type=int, default=1 << 18, help="pipelining chunk of the hierarchical reduce")
-    p.add_argument("--where", default=None, help="comma-separated links (default: RATE,none,loopback)")
+    p.add_argument("--chunk_numel", type=int, default=1 << 20, help="pipelining chunk of the hierarchical reduce")
+    p.add_argument("--probe_numel", type=int, default=(16 << 20) // 4, help="auto's probe (topology.bucket_size_mb)")
+    p.add_argument("--where", default=None,
+                   help="comma-separated links of the reduce (default: RATE,RATE/nic,none,none/nic,loopback)")
+    p.add_argument("--step_where", default=None, help="links of the step (default: RATE,RATE/nic,none)")
+    p.add_argument("--step_modes", default="flat,hierarchical,auto")
     p.add_argument("--skip_steps", action="store_true", help="only the reduce measurement")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "hierarchical_reduce.md"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -142,45 +215,34 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    args.where = args.where or f"{args.rate},none,loopback"
+    args.where = args.where or f"{args.rate},{args.rate}/nic,none,none/nic,loopback"
+    args.step_where = args.step_where or f"{args.rate},{args.rate}/nic,none"
+    modes = args.step_modes.split(",")
     command = "python " + " ".join([os.path.relpath(__file__, ROOT)] + (argv if argv is not None else sys.argv[1:]))
     rev, load0 = git_rev(("ds_xc", "benchmarks", "launch", "configs")), load_average()
-    rows, steps = [], []
+    raw = {"revision": rev, "reduce": [], "step": [], "load": [load0]}
+    raw_path = "-" if args.out == "-" else os.path.splitext(args.out)[0] + ".json"
     with tempfile.TemporaryDirectory() as tmp:
         for where in args.where.split(","):
-            r = measure_reduce(args, where, tmp)
-            f, h = statistics.median(r["times"]["flat"]), statistics.median(r["times"]["hierarchical"])
-            rows.append((where, r["layout"], f, h, r["max_abs_diff"]))
-            print(rows[-1], flush=True)
-        if not args.skip_steps:
-            for where in (args.rate, "none"):
-                runs: dict = {"flat": [], "hierarchical": []}
-                for _ in range(args.step_repeats):  # alternating: the machine's load drifts
-                    for m in runs:
-                        runs[m].append(measure_step(args, where, m, tmp))
-                        print(where, m, runs[m][-1], flush=True)
-                steps.append((where, runs["flat"], runs["hierarchical"]))
-    link = {args.rate: f"2 hosts x 2, inter-host tbf {args.rate}", "none": "2 hosts x 2, unshaped veth",
-            "loopback": "1 host, 4 ranks, 2x2 simulated"}
+            raw["reduce"].append((where, measure_reduce(args, where, tmp)))
+            print(raw["reduce"][-1], load_average(), flush=True)
+            write_report(raw_path, json.dumps(raw, indent=1))
+        for where in ([] if args.skip_steps else args.step_where.split(",")):
+            runs: dict = {m: [] for m in modes}
+            for _ in range(args.step_repeats):  # alternating: the machine's load drifts
+                for m in runs:
+                    runs[m].append(measure_step(args, where, m, tmp))
+                    print(where, m, runs[m][-1], load_average(), flush=True)
+            raw["step"].append((where, runs))
+            raw["load"].append(load_average())
+            write_report(raw_path, json.dumps(raw, indent=1))
     lines = ["# Hierarchical vs flat dense reduction (2 nodes x 2 ranks)", "",
              f"Command: `sudo {command}`  ", f"Revision: {rev}  ",
              f"Machine: {os.cpu_count()} cores shared with other jobs, load average {load0} at the start "
-             f"and {load_average()} at the end; one thread per rank.", "",
-             f"## Mean of a {args.numel:,}-element float32 gradient over 4 ranks "
-             f"(median of {args.repeats}, slowest rank)", "",
-             "| links | layout | flat (s) | hierarchical (s) | speed-up | max abs diff |", "|---|---|---|---|---|---|"]
-    lines += [f"| {link[w]} | {lay} | {f:.3f} | {h:.3f} | {f / h:.2f}x | {d:.1e} |" for w, lay, f, h, d in rows]
-    if steps:
-        lines += ["", f"## End-to-end step of configs/default.json ({args.steps} steps, 2 hosts x 2 ranks, "
-                  "DeepSpeed launcher --no_ssh)", "",
-                  f"Median of {args.step_repeats} runs per mode, alternating.", "",
-                  "| links | flat (s/step) | hierarchical (s/step) | speed-up | each run, flat / hierarchical | "
-                  "final loss flat / hierarchical |", "|---|---|---|---|---|---|"]
-        for w, fs, hs in steps:
-            f, h = (statistics.median(r["step_s"] for r in rs) for rs in (fs, hs))
-            each = " / ".join(", ".join(f"{r['step_s']:.2f}" for r in rs) for rs in (fs, hs))
-            lines.append(f"| {link[w]} | {f:.3f} | {h:.3f} | {f / h:.2f}x | {each} | "
-                         f"{fs[0]['final_loss']:.4f} / {hs[0]['final_loss']:.4f} |")
+             f"and {load_average()} at the end; one thread per rank.", ""]
+    lines += _reduce_table(args, raw["reduce"])
+    if raw["step"]:
+        lines += _step_table(args, raw["step"], modes)
     text = "\n".join(lines) + "\n"
     print(text)
     write_report(args.out, text)

@@ -23,13 +23,19 @@ class TopologyConfig(Section):
         "auto", description="Dense all-reduces of the backbone's gradients (and the compressed reduction's node "
         "groups): flat = one all-reduce over every rank; hierarchical = reduce-scatter inside each node, "
         "all-reduce of each shard among the ranks with the same local rank on every node, all-gather inside "
-        "the node (EFLOPS' rank-aligned scheme); auto = hierarchical when there is more than one node and "
-        "every node has the same number (> 1) of ranks, else flat. Hierarchical and auto-on-several-nodes make "
-        "ds_xc own the backbone's reduction (fp32, ZeRO stage 0), as overlap_grad_reduce does.")
+        "the node (EFLOPS' rank-aligned scheme); auto = on more than one node with the same number (> 1) of "
+        "ranks on each, time both on a probe of bucket_size_mb at initialize and keep the faster (hierarchical "
+        "only when at least 5% faster; see probe_repeats), else flat. Hierarchical makes ds_xc own the "
+        "backbone's reduction (fp32, ZeRO stage 0), as overlap_grad_reduce does.")
     ranks_per_node: int = Field(
         0, ge=0, le=1 << 16, description="0 = the node layout from the launcher (ranks with the same hostname "
         "and node rank: GROUP_RANK, CROSS_RANK, SLURM_NODEID...); > 0 = an explicit override: consecutive "
         "blocks of this many ranks form a node (must divide the group size), e.g. to simulate nodes on one host.")
     bucket_size_mb: float = Field(
         16.0, gt=0.0, le=4096.0, description="Bucket size of the backbone's hierarchical reduction when ds_xc "
-        "takes it over from DeepSpeed (buckets are launched from the gradient hooks during the backward).")
+        "takes it over from DeepSpeed (buckets are launched from the gradient hooks during the backward); also "
+        "the size of auto's probe.")
+    probe_repeats: int = Field(
+        3, ge=0, le=100, description="auto only: timed repeats of each reduction on the probe (after one "
+        "warm-up each, alternating; the slowest rank's time, the median; the group's first rank decides and "
+        "broadcasts). 0 = no probe: auto is hierarchical whenever the layout allows it.")

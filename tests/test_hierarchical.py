@@ -25,7 +25,7 @@ def _data(rank, n, kind):
     return torch.randn(n, generator=g, dtype=torch.float64).to(torch.float32)
 
 
-def _reduce(rank, world, rpn, node_var, chunk, by_allreduce):
+def _reduce(rank, world, rpn, node_var, chunk, intra_mode):
     from ds_xc.parallel.hierarchical import HierarchicalAllReduce
     old = os.environ.get("GROUP_RANK")
     if node_var == "blocks":
@@ -37,8 +37,8 @@ def _reduce(rank, world, rpn, node_var, chunk, by_allreduce):
             layout = detect_layout(dist.group.WORLD)
         finally:
             os.environ.pop("GROUP_RANK") if old is None else os.environ.update(GROUP_RANK=old)
-    h = HierarchicalAllReduce(layout, chunk_numel=chunk)
-    h.intra_by_allreduce = by_allreduce  # gloo's default; False: reduce_scatter and all_gather
+    h = HierarchicalAllReduce(layout, chunk_numel=chunk, intra_mode=intra_mode)
+    assert HierarchicalAllReduce(layout).intra_mode == "alltoall"  # gloo's default
     out = {"nodes": layout.nodes}
     for kind in ("int", "float"):
         for n in LENGTHS:
@@ -53,11 +53,13 @@ def _reduce(rank, world, rpn, node_var, chunk, by_allreduce):
     return out
 
 
-@pytest.mark.parametrize("world,node_var,chunk,by_allreduce", [
-    (4, "blocks", 0, True), (6, "blocks", 500, True), (4, "strided", 500, False), (6, "launcher", 0, False)])
-def test_hierarchical_equals_flat(pools, world, node_var, chunk, by_allreduce):
-    """chunk 500: the 1001- and 4096-element tensors run as pipelines of 3 and 9 chunks, the last one short."""
-    results = pools(world).run(_reduce, 2, node_var, chunk, by_allreduce)
+@pytest.mark.parametrize("world,node_var,chunk,intra_mode", [
+    (4, "blocks", 0, "alltoall"), (6, "blocks", 500, "alltoall"), (4, "strided", 500, "alltoall"),
+    (6, "launcher", 0, "native"), (4, "blocks", 500, "allreduce"), (6, "strided", 0, "allreduce")])
+def test_hierarchical_equals_flat(pools, world, node_var, chunk, intra_mode):
+    """chunk 500: the 1001- and 4096-element tensors run as pipelines of 3 and 9 chunks, the last one short.
+    Every node-stage implementation (alltoall: gloo's default, allreduce, native reduce_scatter/all_gather)."""
+    results = pools(world).run(_reduce, 2, node_var, chunk, intra_mode)
     nodes = world // 2
     if node_var == "strided":
         assert results[0]["nodes"] == tuple(tuple(range(i, world, nodes)) for i in range(nodes))
@@ -135,3 +137,41 @@ def test_node_name_uses_launcher_node_rank(monkeypatch):
     plain = node_name()
     monkeypatch.setenv("CROSS_RANK", "1")
     assert node_name() == plain + "/CROSS_RANK=1"
+
+
+def _probe(rank, world, fake):
+    from ds_xc.parallel.hierarchical import HierarchicalAllReduce
+    from ds_xc.parallel.reduction_probe import probe_reduction
+    h = HierarchicalAllReduce(detect_layout(dist.group.WORLD, ranks_per_node=2), chunk_numel=1000)
+    seen = []
+
+    def measure(mode, buf):  # the real reduction (the result checked), then the injected time
+        want = sum(torch.randn(buf.numel(), generator=torch.Generator().manual_seed(r)) for r in range(world)) / world
+        took = time_one(h, dist.group.WORLD, mode, buf)
+        torch.testing.assert_close(buf, want, rtol=1e-5, atol=1e-6)
+        seen.append(mode)
+        return took if fake is None else fake[rank][mode]
+    from ds_xc.parallel.reduction_probe import time_one
+    mode, medians = probe_reduction(h, dist.group.WORLD, 3001, 2, measure=measure)
+    return mode, medians, seen
+
+
+@pytest.mark.parametrize("fake,want", [
+    (None, None),  # real timings: whatever the clocks say, one agreed choice
+    ([{"flat": 1.0, "hierarchical": 0.5}] * 4, "hierarchical"),
+    ([{"flat": 1.0, "hierarchical": 0.97}] * 4, "flat"),  # within the 5% margin: flat
+    ([{"flat": 1.0, "hierarchical": 0.5}] + [{"flat": 0.2, "hierarchical": 0.1}] * 3, "hierarchical"),
+    ([{"flat": 1.0, "hierarchical": 0.5}] * 3 + [{"flat": 0.2, "hierarchical": 4.0}], "flat")])
+def test_auto_probe_agreed_and_used(pools, fake, want):
+    """The probe times both modes alternately (one warm-up, 2 timed rounds), takes the slowest rank's times and
+    the first rank's decision: every rank ends with the same choice, the one the (injected) times imply."""
+    results = pools(4).run(_probe, fake)
+    modes = {r[0] for r in results}
+    assert len(modes) == 1 and modes <= {"flat", "hierarchical"}
+    assert all(r[1] == results[0][1] for r in results)  # the same medians everywhere
+    for _, _, seen in results:
+        assert seen == ["flat", "hierarchical", "hierarchical", "flat", "flat", "hierarchical"]
+    if want is not None:
+        assert modes == {want}
+        slowest = {m: max(f[m] for f in fake) for m in ("flat", "hierarchical")}
+        assert results[0][1] == slowest

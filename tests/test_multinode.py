@@ -9,6 +9,13 @@ no-ssh multi-node mode (and a resume under torchrun --nnodes 2).
   weight of the step-6 checkpoint equals the uninterrupted 2x2 run's.
 * A checkpoint folder that is not shared (host 1 sees its own empty tmpfs at the same path)
   is refused on every rank with an error naming the folder and the fix.
+* One NIC per rank (netns_hosts.sh -n 2, each rank moved into its namespace by
+  benchmarks/rank_netns.sh under `deepspeed --no_python`): the job trains on 2 nodes x 2, and
+  every rank's NIC carries its share of the traffic (hierarchical: each local rank's
+  rank-aligned flow leaves through its own NIC).
+
+The runs set topology.probe_repeats=0 (auto without its timing probe: hierarchical on 2 nodes),
+so that the mode, and with it the bits, do not depend on the machine's load.
 
 Skipped where namespaces cannot be made (not root, no iproute2, no permission).
 """
@@ -52,7 +59,7 @@ def _config(tmp_path):
         "train_micro_batch_size_per_gpu": 32, "gradient_clipping": 0.0, "steps_per_print": 10**6,
         "optimizer": {"type": "AdamW", "params": {"lr": 0.003, "torch_adam": True}},
         "extreme_classification": {"num_classes": 301, "embedding_dim": 32, "chunk_size": 16,
-                                   "loss": {"type": "cosface", "scale": 30.0}},
+                                   "loss": {"type": "cosface", "scale": 30.0}, "topology": {"probe_repeats": 0}},
         "xc_train": {"data": "synthetic", "max_steps": 6, "eval_every": 0, "eval_samples": 256,
                      "log_every": 2, "hidden_dim": 64},
     }
@@ -163,3 +170,23 @@ def test_checkpoint_folder_not_shared_is_refused(tmp_path):
         shutil.rmtree(save, ignore_errors=True)
     assert f"the checkpoint folder '{save}' is not shared by all ranks" in out, out[-4000:]
     assert "filesystem every node mounts" in out
+
+
+def test_one_nic_per_rank(tmp_path):
+    cfg = _config(tmp_path)
+    counters, summary = tmp_path / "nics.json", str(tmp_path / "nic.json")
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("host0 slots=2\nhost1 slots=2\n")
+    cmd = [HOSTS_SH, "-H", "2", "-n", "2", "-c", str(counters), "--", os.path.join(BIN, "deepspeed"), "--hostfile",
+           str(hostfile), "--no_ssh", "--node_rank", "{node}", "--master_addr", "{master}", "--master_port",
+           str(free_port()), "--no_python", "--no_local_rank", os.path.join(ROOT, "benchmarks", "rank_netns.sh"),
+           sys.executable, TRAIN, "--deepspeed_config", cfg, "--max_steps", "3", "--summary_json", summary,
+           "--verbose"]
+    out = _run(cmd)
+    assert "2 node(s) x 2 rank(s)" in out and "hierarchical reduction" in out
+    got = _summary(summary)
+    assert got["world_size"] == 4 and got["steps"] == 3 and got["final_loss"] == got["final_loss"]  # not NaN
+    nics = json.loads(counters.read_text())
+    assert nics["nics"] == 2 and len(nics["nic_tx_bytes"]) == 2
+    for host in nics["nic_tx_bytes"]:  # both local ranks' NICs carried real traffic, not one NIC for the host
+        assert len(host) == 2 and min(host) > 0.2 * max(host) and min(host) > 100_000, nics

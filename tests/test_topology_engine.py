@@ -1,7 +1,9 @@
 """XCEngine with extreme_classification.topology: the hierarchical backbone reduction (ds_xc owns it)
 moves the backbone and every head shard as the float64 single-process reference says, on 2 nodes
 x 2 ranks and 3 nodes x 2 (simulated with topology.ranks_per_node on loopback gloo ranks), with
-gradient accumulation; ``auto`` picks it there and stays flat on one node; refusals name the key."""
+gradient accumulation; ``auto`` times both on a probe there (the timing injected: the choice follows the
+slowest rank's times, agreed on every rank) and stays flat on one node; forced modes do not probe;
+refusals name the key."""
 import pytest
 import torch
 
@@ -10,14 +12,31 @@ from ds_xc.head import shard_range
 from tests.test_engine import LR_BODY, LR_HEAD, C, _backbone, _batch, _config, check_one_step_against_reference
 
 
-def _steps(rank, world, reduction, rpn, gas, overlap=False, stage=0):
+# injected probe timings {mode: seconds} per rank: "hier" faster everywhere; "mixed" faster on rank 0 only
+# (rank 0 alone would choose hierarchical; the slowest rank's times say flat)
+FAKE_TIMES = {"hier": lambda rank: {"flat": 2.0, "hierarchical": 1.0},
+              "mixed": lambda rank: {"flat": 2.0, "hierarchical": 1.0 if rank == 0 else 3.0}}
+
+
+def _steps(rank, world, reduction, rpn, gas, overlap=False, stage=0, fake="hier"):
+    from ds_xc.parallel import reduction_probe
     body = _backbone()
     cfg = _config(stage, gas)
     cfg["extreme_classification"]["topology"] = {"reduction": reduction, "ranks_per_node": rpn,
                                                  "bucket_size_mb": 1e-5}
     if overlap:
         cfg["extreme_classification"]["overlap"] = {"enabled": True, "num_chunks": 2, "bucket_size_mb": 1e-5}
-    xc = ds_xc.initialize(model=body, optimizer=torch.optim.SGD(body.parameters(), lr=LR_BODY), config=cfg)
+    calls, real = [], reduction_probe.time_one
+
+    def timed(hier, group, mode, buf):  # the real reduction, the injected time
+        calls.append(mode)
+        real(hier, group, mode, buf)
+        return FAKE_TIMES[fake](rank)[mode]
+    reduction_probe.time_one = timed
+    try:
+        xc = ds_xc.initialize(model=body, optimizer=torch.optim.SGD(body.parameters(), lr=LR_BODY), config=cfg)
+    finally:
+        reduction_probe.time_one = real
     losses = []
     for micro in range(gas):
         x, y = _batch(micro, rank)
@@ -26,16 +45,19 @@ def _steps(rank, world, reduction, rpn, gas, overlap=False, stage=0):
     reducer = xc.grad_reducer
     return {"w1": xc.head.weight.detach().clone(), "a1": xc.engine.module.weight.detach().clone(),
             "losses": losses, "steps": xc.global_steps, "allreduce_on": xc.engine.enable_backward_allreduce,
-            "hier": reducer is not None and reducer.reduction is not None}
+            "hier": reducer is not None and reducer.reduction is not None, "probe_calls": len(calls)}
 
 
-@pytest.mark.parametrize("world,reduction,rpn,gas,overlap", [
-    (4, "auto", 2, 2, False), (6, "hierarchical", 2, 1, False), (4, "hierarchical", 2, 1, True),
-    (4, "auto", 0, 1, False), (4, "flat", 2, 1, False)])
-def test_hierarchical_engine_step_matches_reference(pools, world, reduction, rpn, gas, overlap):
-    res = pools(world).run(_steps, reduction, rpn, gas, overlap)
+@pytest.mark.parametrize("world,reduction,rpn,gas,overlap,fake", [
+    (4, "auto", 2, 2, False, "hier"), (6, "auto", 2, 1, False, "mixed"), (6, "hierarchical", 2, 1, False, "mixed"),
+    (4, "hierarchical", 2, 1, True, "mixed"), (4, "auto", 0, 1, False, "hier"), (4, "flat", 2, 1, False, "hier")])
+def test_hierarchical_engine_step_matches_reference(pools, world, reduction, rpn, gas, overlap, fake):
+    res = pools(world).run(_steps, reduction, rpn, gas, overlap, 0, fake)
     a0, w0 = check_one_step_against_reference(res, world, gas)
-    expect_hier = reduction == "hierarchical" or (reduction == "auto" and rpn == 2)  # rpn 0: one host, one node
+    probed = reduction == "auto" and rpn == 2  # rpn 0: one host, one node: nothing to choose
+    expect_hier = reduction == "hierarchical" or (probed and fake == "hier")
+    for r in res:  # the default probe_repeats=3: one warm-up and 3 timed rounds of both modes; forced: none
+        assert r["probe_calls"] == (8 if probed else 0)
     for rank, r in enumerate(res):
         start, n = shard_range(C, world, rank)
         expected = w0.detach()[start: start + n] - LR_HEAD * w0.grad[start: start + n]
@@ -55,7 +77,7 @@ def _compressed(rank, world, by_topology):
     cfg = _config(0, 1)
     cfg["gradient_compression"] = {"method": "topk", "density": 0.3, "min_numel": 1, "warmup_steps": 1}
     if by_topology:  # the node groups from the (simulated) layout, not set by hand
-        cfg["extreme_classification"]["topology"] = {"reduction": "auto", "ranks_per_node": 2}
+        cfg["extreme_classification"]["topology"] = {"reduction": "auto", "ranks_per_node": 2, "probe_repeats": 0}
     else:
         cfg["gradient_compression"]["hierarchy"] = {"ranks_per_node": 2}
     xc = ds_xc.initialize(model=body, optimizer=torch.optim.SGD(body.parameters(), lr=LR_BODY), config=cfg)

@@ -10,7 +10,8 @@ an accumulation window (XCEngine.backward) and finished in XCEngine.step. The co
 reduction gets the same layout's node groups (:func:`compression_nodes`) unless its
 ``hierarchy.ranks_per_node`` sets one by hand. That takeover is exact only for fp32 at ZeRO
 stage 0 (ZeRO and the bf16 wrapper reduce their own buffers): there, ``auto`` stays flat and
-``hierarchical`` is refused.
+``hierarchical`` is refused. Where the scheme applies, ``auto`` times both reductions on a probe of
+the bucket size (ds_xc/parallel/reduction_probe.py) and keeps the faster; forced modes do not probe.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ds_xc.config import HEAD_SECTION, ConfigError
+from ds_xc.parallel import reduction_probe
 from ds_xc.parallel.buckets import BucketedGradReducer
 from ds_xc.parallel.groups import spans_world
 from ds_xc.parallel.hierarchical import HierarchicalAllReduce
@@ -31,10 +33,12 @@ __all__ = ["DenseReduction", "plan_reduction", "compression_nodes", "take_over_r
 
 @dataclass
 class DenseReduction:
-    """The layout, the mode in use ('flat' or 'hierarchical') and the hierarchical all-reduce (None when flat)."""
+    """The layout, the mode in use ('flat' or 'hierarchical'), the hierarchical all-reduce (None when flat) and
+    auto's probe times ({mode: median seconds}; None when there was no probe)."""
     layout: NodeLayout
     mode: str
     hier: Optional[HierarchicalAllReduce] = None
+    probe: Optional[dict] = None
 
 
 def _refuse_or_flat(topology, why: str) -> str:
@@ -56,9 +60,14 @@ def plan_reduction(engine, topology, group, compression: bool) -> DenseReduction
         mode = _refuse_or_flat(topology, "on a data-parallel group that is a proper subgroup of the world (the node "
                                "groups are created by every rank of the world)")
     hier = HierarchicalAllReduce(layout) if mode == "hierarchical" else None
+    probe = None
+    if hier is not None and topology.reduction == "auto" and topology.probe_repeats > 0:
+        numel = max(int(topology.bucket_size_mb * 2**20) // 4, 1)  # float32 elements of one bucket
+        mode, probe = reduction_probe.probe_reduction(hier, group, numel, topology.probe_repeats)
+        hier = hier if mode == "hierarchical" else None
     log.info("topology: %s, %s reduction (%s.topology.reduction=%r)", layout.describe(), mode, HEAD_SECTION,
              topology.reduction)
-    return DenseReduction(layout=layout, mode=mode, hier=hier)
+    return DenseReduction(layout=layout, mode=mode, hier=hier, probe=probe)
 
 
 def compression_nodes(plan: DenseReduction, compression_cfg, overlap_cfg):

@@ -9,11 +9,17 @@ ring of N*L ranks whose every hop may cross a node boundary), and the node all-g
 back to (L*s,). Each rank sends 2(L-1)s bytes inside its node and 2(N-1)s/N across nodes: a
 node's link carries 2(N-1)n/N, where a flat ring over N*L ranks puts 2(N*L-1)n/(N*L) on it.
 
-On gloo, reduce_scatter and all_gather of large tensors take 2.5 to 3 times as long as an
-all-reduce of the same size (measured with torch 2.13, docs/multinode.md), so there the node's
-reduce-scatter is an all-reduce of the chunk whose shard i is kept, and its all-gather an
-all-reduce of a buffer holding only this rank's shard (zeros elsewhere: adding zeros is exact).
-Other backends use reduce_scatter and all_gather.
+The node stages have three implementations (``intra_mode``), equal in value:
+
+- ``alltoall`` (gloo's default): the reduce-scatter is an ``all_to_all_single`` of the padded
+  chunk (rank j receives block j of every node rank, (L, s)) followed by a local sum over the L
+  blocks in local-rank order, and the all-gather is gloo's list ``all_gather`` into views of the
+  padded chunk. Each rank sends (L-1)s elements per stage, the reduce-scatter's minimum. (gloo's
+  ``reduce_scatter_single`` took as long as an all-reduce here, torch 2.13; docs/multinode.md.)
+- ``allreduce``: the node's reduce-scatter is an all-reduce of the chunk whose shard i is kept and
+  the all-gather an all-reduce of a buffer holding only this rank's shard (zeros elsewhere: adding
+  zeros is exact); 2(L-1)s per stage, twice the bytes. Kept for comparison (the benchmark).
+- ``native`` (other backends): ``reduce_scatter_single`` and ``all_gather_single``.
 
 Tensors are cut into chunks of ``chunk_numel`` that are pipelined: chunk k+1's node stage runs
 while chunk k crosses the nodes. :class:`PendingHierarchical` runs one chunk's three stages
@@ -37,9 +43,10 @@ from ds_xc.parallel.topology import NodeLayout
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HierarchicalAllReduce", "PendingHierarchical", "PendingChunks"]
+__all__ = ["HierarchicalAllReduce", "PendingHierarchical", "PendingChunks", "INTRA_MODES"]
 
 DONE = 3
+INTRA_MODES = ("alltoall", "allreduce", "native")
 
 
 class HierarchicalAllReduce:
@@ -47,9 +54,11 @@ class HierarchicalAllReduce:
 
     Collective to build (every rank creates the node groups: ds_xc.parallel.groups.node_groups);
     ``layout`` must be regular (the same number of ranks on every node). ``chunk_numel``: the
-    pipelining granularity (0: one chunk)."""
+    pipelining granularity (0: one chunk). ``intra_mode``: how the node stages run (module docstring;
+    None: ``alltoall`` on gloo, ``native`` elsewhere)."""
 
-    def __init__(self, layout: NodeLayout, backend=None, chunk_numel: int = 1 << 18):
+    def __init__(self, layout: NodeLayout, backend=None, chunk_numel: int = 1 << 20,
+                 intra_mode: Optional[str] = None):
         if not layout.regular:
             raise ValueError(f"HierarchicalAllReduce: {layout.describe()} is not regular (every node must hold "
                              "the same number of ranks)")
@@ -58,9 +67,13 @@ class HierarchicalAllReduce:
         self.local_size, self.num_nodes = layout.ranks_per_node, layout.num_nodes
         self.world = self.local_size * self.num_nodes
         self.intra, self.intra_gather, self.inter = node_groups(layout.nodes, backend)
-        self.intra_by_allreduce = self.intra is not None and dist.get_backend(self.intra) == "gloo"
-        log.info("hierarchical all-reduce: %s, this rank node %d local %d, chunks of %d", layout.describe(),
-                 self.node, self.local_rank, self.chunk_numel)
+        if intra_mode is None:
+            intra_mode = "alltoall" if self.intra is None or dist.get_backend(self.intra) == "gloo" else "native"
+        if intra_mode not in INTRA_MODES:
+            raise ValueError(f"HierarchicalAllReduce: intra_mode={intra_mode!r}; allowed: {', '.join(INTRA_MODES)}")
+        self.intra_mode = intra_mode
+        log.info("hierarchical all-reduce: %s, this rank node %d local %d, chunks of %d, node stages by %s",
+                 layout.describe(), self.node, self.local_rank, self.chunk_numel, intra_mode)
 
     def sum_(self, tensor: torch.Tensor, async_op: bool = False) -> "PendingChunks":
         """``tensor`` (contiguous) becomes its sum over every rank, in place (after ``wait()`` with ``async_op``)."""
@@ -84,7 +97,8 @@ class PendingHierarchical:
             self.padded = flat.new_zeros(L * s)  # (L*s,)
             self.padded[:n] = flat
         mine = self.padded[h.local_rank * s: (h.local_rank + 1) * s]  # (s,) a view
-        self.shard = mine if (L == 1 or h.intra_by_allreduce) else self.padded.new_empty(s)
+        self.shard = mine if (L == 1 or h.intra_mode != "native") else self.padded.new_empty(s)
+        self.received = None  # alltoall: (L*s,) block j of every node rank, summed into the shard at stage 1
         self.stage, self.work = -1, None
         self._advance(0)
 
@@ -94,27 +108,47 @@ class PendingHierarchical:
 
     def _advance(self, limit: int = DONE) -> None:
         """Issue the next stages up to ``limit`` (the current one has completed); skip stages without a group."""
-        h, sum_op = self.h, dist.ReduceOp.SUM
+        h = self.h
         while self.work is None and self.stage < min(limit, DONE):
             self.stage += 1
             if self.stage == 0 and h.intra is not None:
-                self.work = dist.all_reduce(self.padded, op=sum_op, group=h.intra, async_op=True) \
-                    if h.intra_by_allreduce else \
-                    reduce_scatter_flat(self.shard, self.padded, group=h.intra, async_op=True)
-            elif self.stage == 1 and h.inter is not None:
-                self.work = dist.all_reduce(self.shard, op=sum_op, group=h.inter, async_op=True)
+                self.work = self._node_reduce()
+            elif self.stage == 1:
+                if self.received is not None:  # (L, s) summed over the node ranks, in local-rank order
+                    torch.sum(self.received.view(h.local_size, -1), dim=0, out=self.shard)
+                    self.received = None
+                if h.inter is not None:
+                    self.work = dist.all_reduce(self.shard, op=dist.ReduceOp.SUM, group=h.inter, async_op=True)
             elif self.stage == 2:
                 if self.divide != 1:  # the division on the shard: s elements instead of n, the same values
                     self.shard.div_(self.divide)
-                if h.intra_gather is not None and h.intra_by_allreduce:
-                    s = self.shard.numel()
-                    self.padded[: h.local_rank * s].zero_()
-                    self.padded[(h.local_rank + 1) * s:].zero_()
-                    self.work = dist.all_reduce(self.padded, op=sum_op, group=h.intra_gather, async_op=True)
-                elif h.intra_gather is not None:
-                    self.work = gather_flat(self.padded, self.shard, group=h.intra_gather, async_op=True)
+                if h.intra_gather is not None:
+                    self.work = self._node_gather()
             elif self.stage == DONE and self.padded.data_ptr() != self.flat.data_ptr():
                 self.flat.copy_(self.padded[: self.flat.numel()])
+
+    def _node_reduce(self):
+        """Stage 0: the node's reduce-scatter of the padded chunk (this rank's shard summed over the node)."""
+        h = self.h
+        if h.intra_mode == "alltoall":
+            self.received = torch.empty_like(self.padded)  # (L*s,)
+            return dist.all_to_all_single(self.received, self.padded, group=h.intra, async_op=True)
+        if h.intra_mode == "allreduce":
+            return dist.all_reduce(self.padded, op=dist.ReduceOp.SUM, group=h.intra, async_op=True)
+        return reduce_scatter_flat(self.shard, self.padded, group=h.intra, async_op=True)
+
+    def _node_gather(self):
+        """Stage 2: the node's all-gather of the shards back into the padded chunk."""
+        h = self.h
+        if h.intra_mode == "alltoall":  # gloo's list all-gather, into (s,) views of the chunk
+            return dist.all_gather(list(self.padded.view(h.local_size, -1).unbind(0)), self.shard,
+                                   group=h.intra_gather, async_op=True)
+        if h.intra_mode == "allreduce":
+            s = self.shard.numel()
+            self.padded[: h.local_rank * s].zero_()
+            self.padded[(h.local_rank + 1) * s:].zero_()
+            return dist.all_reduce(self.padded, op=dist.ReduceOp.SUM, group=h.intra_gather, async_op=True)
+        return gather_flat(self.padded, self.shard, group=h.intra_gather, async_op=True)
 
     def progress(self, limit: int = DONE) -> int:
         """Move on as far as the completed stages allow, without blocking, issuing no stage past ``limit``;

@@ -9,8 +9,10 @@ node, in group-rank order. The launcher's local size (``LOCAL_WORLD_SIZE``, ``LO
 detection with consecutive blocks (simulated nodes on one host).
 
 :func:`choose_reduction` turns ``extreme_classification.topology.reduction`` (auto | flat |
-hierarchical) and a layout into the mode used: auto picks hierarchical when there is more
-than one node and every node holds the same number (> 1) of ranks.
+hierarchical) and a layout into the mode the layout allows: auto is hierarchical when there is
+more than one node and every node holds the same number (> 1) of ranks, and there
+ds_xc/engine/reduction.py then times both on a probe (ds_xc/parallel/reduction_probe.py) and
+keeps the faster.
 """
 from __future__ import annotations
 
