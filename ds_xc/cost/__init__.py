@@ -1,0 +1,1 @@
+"""Cost models of a ds_xc job: communication (comm.py) and memory, predicted from the configuration."""
