@@ -271,7 +271,7 @@ def main(argv=None) -> int:
         worker(args)
         return 0
     from ds_xc.cost.comm import Link
-    args.load_before = load_average()
+    args.load_before, rev = load_average(), git_rev(("ds_xc", "benchmarks"))  # the revision measured
     hosts = [int(h) for h in args.hosts.split(",")]
     rates = args.rates.split(",")
     calib, steps, compute, links = {}, {}, {}, {}
@@ -288,7 +288,7 @@ def main(argv=None) -> int:
                    for (r, h), res in calib.items() if r == rate for k, v in res.items() if ":" in k]
         alpha, bw = fit_link(samples)
         links[rate] = Link(bw, alpha)
-    text = render(args, calib, links, steps, compute, git_rev())
+    text = render(args, calib, links, steps, compute, rev)
     print(text)
     write_report(args.out, text)
     if args.out != "-":
