@@ -9,7 +9,7 @@ started by torchrun, one thread per rank pinned to core rank % cores):
    error to t = steps (alpha + share S / beta) over both host counts and both kinds (the ring
    model of comm.py; gloo's reduce_scatter runs as an all_reduce, so it needs no own fit).
 2. ``step``: the real class-parallel head step (ANN sampler, lazy_exact AdamW), followed by the
-   dense mean all-reduce of a flat 10^6-parameter buffer standing for the backbone's gradients,
+   dense mean all-reduce of a flat 2 x 10^6-parameter buffer standing for the backbone's gradients,
    over all ranks; median of the slowest rank. The hosts' eth0 byte counters are compared with
    the bytes the model says cross each NIC.
 3. ``compute``: the same rank's work without communication (benchmarks/sim_rank.py), P processes
@@ -43,8 +43,8 @@ BIN = os.path.dirname(sys.executable)
 DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "netns_comm.md")
 RANKS_PER_HOST = 2
 SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 21)  # bytes of the calibration messages
-BACKBONE_PARAMS = 10**6
-SECTION = {"num_classes": 100000, "embedding_dim": 128, "loss": {"type": "softmax"}, "chunk_size": 128,
+BACKBONE_PARAMS = 2 * 10**6
+SECTION = {"num_classes": 20000, "embedding_dim": 128, "loss": {"type": "softmax"}, "chunk_size": 512,
            "check_inputs": False,
            "sampler": {"type": "ann", "sample_rate": 0.05, "scan_rows": 16384, "rebuild_interval": 0},
            "optimizer": {"type": "adamw", "lr": 0.002, "update": "lazy_exact"}}
@@ -262,7 +262,7 @@ def main(argv=None) -> int:
     p.add_argument("--worker", choices=("calib", "step", "compute"))
     p.add_argument("--json")
     p.add_argument("--world", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--hosts", default="2,3")
     p.add_argument("--rates", default="1gbit,100mbit")
     p.add_argument("--out", default=DEFAULT_OUT)
