@@ -12,7 +12,8 @@ started by torchrun, one thread per rank pinned to core rank % cores):
    over all ranks; median of the slowest rank. The hosts' eth0 byte counters are compared with
    the bytes the model says cross each NIC.
 3. ``compute``: the same rank's work without communication (benchmarks/sim_rank.py), P processes
-   at once on one host (the same CPU sharing as the P ranks of the step run), median per rank.
+   at once on one host (the same CPU sharing as the P ranks of the step run), median per rank,
+   measured right before each step run (the load of the shared machine drifts).
 
 Prediction = compute (max over ranks of the per-rank medians) + comm.predict_time(
 step_collectives(...), fitted link, ranks_per_node=2). Writes benchmarks/results/netns_comm.md.
@@ -247,7 +248,7 @@ def render(args, calib: dict, links: dict, steps: dict, compute: dict, rev: str)
               "error | head part: measured / predicted s | backbone reduce: measured / predicted s | tx MB/host measured | "
               "tx MB/host model | load |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (rate, hosts), res in sorted(steps.items()):
-        comp = compute[hosts * RANKS_PER_HOST]["compute_s"]
+        comp = compute[(rate, hosts)]["compute_s"]
         pr = predict(hosts, links[rate], comp)
         err = pr["step_s"] / res["step_s"] - 1.0
         tx = statistics.mean(res["tx_bytes"]) / 1e6
@@ -257,8 +258,9 @@ def render(args, calib: dict, links: dict, steps: dict, compute: dict, rev: str)
                      f"| {res['load']} |")
     lines += ["", "Per-step times of the step runs (s): " + "; ".join(
         f"{h}x{RANKS_PER_HOST} {r}: " + ", ".join(f"{t:.3f}" for t in res["times"]) for (r, h), res in sorted(steps.items())),
-        "", "Compute per rank (s): " + "; ".join(f"P={p}: " + ", ".join(f"{t:.3f}" for t in c["per_rank"])
-                                                   + f" (load {c['load']})" for p, c in sorted(compute.items()))]
+        "", "Compute per rank (s), measured right before each step run: " + "; ".join(
+            f"{h}x{RANKS_PER_HOST} {r}: " + ", ".join(f"{t:.3f}" for t in c["per_rank"]) + f" (load {c['load']})"
+            for (r, h), c in sorted(compute.items()))]
     return "\n".join(lines) + "\n"
 
 
@@ -282,11 +284,11 @@ def main(argv=None) -> int:
     calib, steps, compute, links = {}, {}, {}, {}
     with tempfile.TemporaryDirectory(prefix="netns_comm") as tmp:
         for h in hosts:
-            compute[h * RANKS_PER_HOST] = run_compute(h * RANKS_PER_HOST, args.repeats, tmp)
-            print(f"compute P={h * RANKS_PER_HOST}: {compute[h * RANKS_PER_HOST]}", flush=True)
-            for rate in rates:
-                calib[(rate, h)] = run_hosts("calib", h, rate, args.repeats, tmp)
+            for rate in rates:  # compute right before its step run: the same load on the shared cores
+                compute[(rate, h)] = run_compute(h * RANKS_PER_HOST, args.repeats, tmp)
+                print(f"compute P={h * RANKS_PER_HOST}: {compute[(rate, h)]}", flush=True)
                 steps[(rate, h)] = run_hosts("step", h, rate, args.repeats, tmp)
+                calib[(rate, h)] = run_hosts("calib", h, rate, args.repeats, tmp)
                 print(f"{h} hosts {rate}: step {steps[(rate, h)]['step_s']:.3f} s", flush=True)
     for rate in rates:
         samples = [(k.split(":")[0], h * RANKS_PER_HOST, int(k.split(":")[1]), v)
@@ -301,7 +303,7 @@ def main(argv=None) -> int:
             json.dump({"links": {r: [lk.bandwidth_bps, lk.latency_s] for r, lk in links.items()},
                        "calib": {f"{r}/{h}": v for (r, h), v in calib.items()},
                        "steps": {f"{r}/{h}": v for (r, h), v in steps.items()},
-                       "compute": compute}, fh, indent=1)
+                       "compute": {f"{r}/{h}": v for (r, h), v in compute.items()}}, fh, indent=1)
     return 0
 
 
