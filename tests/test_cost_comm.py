@@ -64,6 +64,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_byte_counts_equal_recorded_collectives(pools, world, case):
