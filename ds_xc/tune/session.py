@@ -1,0 +1,101 @@
+"""One tuner run end to end (launch/tune.py parses the flags, builds the inputs and prints).
+
+Every rank of the head's group calls :func:`tune` with its own batches; rank 0 calibrates the
+time model (or reads the cached constants) and sends the constants to the others, so that
+every rank predicts, orders and skips the same candidates.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+import torch.distributed as dist
+
+from ds_xc.config import HEAD_SECTION
+from ds_xc.cost.compute import Constants, global_batch_of, load_or_calibrate
+from ds_xc.parallel.groups import is_distributed
+from ds_xc.tune.cache import MeasurementCache
+from ds_xc.tune.measure import measure_candidate
+from ds_xc.tune.space import TUNED_KEYS
+from ds_xc.tune.tuner import Target, Tuner, choose, frontier, predict_all, prune
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TuneResult", "tune", "changed_keys", "shared_constants", "cache_context"]
+
+
+@dataclass
+class TuneResult:
+    rows: list
+    chosen: object  # a tuner.Row
+    base: object  # the defaults' Row (None when not measured)
+    front: list
+    constants: Constants
+    context: dict
+
+
+def changed_keys(before: dict, after: dict, prefix: str = "") -> list:
+    """Dotted paths whose values differ between two nested dicts (added and removed keys too)."""
+    out = []
+    for key in sorted(set(before) | set(after)):
+        a, b = before.get(key, "<absent>"), after.get(key, "<absent>")
+        path = f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += changed_keys(a, b, path + ".")
+        elif a != b:
+            out.append(path)
+    return out
+
+
+def shared_constants(path: Optional[str], group=None, recalibrate: bool = False) -> Constants:
+    """Rank 0's calibrated (or cached) constants on every rank of ``group``."""
+    if not is_distributed(group):
+        return load_or_calibrate(path, recalibrate=recalibrate)
+    box = [load_or_calibrate(path, recalibrate=recalibrate).to_json() if dist.get_rank(group=group) == 0 else None]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+    return Constants.from_json(box[0])
+
+
+def cache_context(raw: dict, world: int, steps: int, warmup: int, data: str) -> dict:
+    """What a measurement depends on besides the candidate: the config without the tuned keys."""
+    import copy
+
+    import ds_xc
+    stripped = copy.deepcopy(raw)
+    head = stripped.get(HEAD_SECTION, {})
+    for key in TUNED_KEYS:
+        section, _, name = key.partition(".")
+        if isinstance(head.get(section), dict):
+            head[section].pop(name, None)
+    return {"config": stripped, "world": world, "global_batch": global_batch_of(raw, world), "steps": steps,
+            "warmup": warmup, "data": data, "version": ds_xc.__version__}
+
+
+def tune(raw: dict, target: Target, train_batch: Callable[[int], tuple], eval_batches: Callable[[], Iterable], *,
+         world: int = 1, group=None, cache_path: Optional[str] = None, constants_path: Optional[str] = None,
+         time_budget_s: float = 480.0, steps: int = 4, warmup: int = 2, types=("ann", "uniform", "full"),
+         data: str = "", progress: Optional[Callable] = None, is_writer: bool = True) -> TuneResult:
+    """Predict, prune, measure and choose (tuner.py); raises tuner.TargetUnreachable when nothing
+    measured meets the target. ``progress(row, done, total)`` after each measured row."""
+    constants = shared_constants(constants_path, group)
+    rows = predict_all(raw, world, constants, types)
+    prune(rows, target)
+    context = cache_context(raw, world, steps, warmup, data)
+    cache = MeasurementCache(cache_path, context, writer=is_writer).load_shared(group)
+
+    def measure(section: dict) -> dict:
+        return measure_candidate(section, train_batch, eval_batches, steps=steps, warmup=warmup, group=group)
+    tuner = Tuner(rows, target, measure, cache, time_budget_s, group=group, progress=progress)
+    tuner.run()
+    base = next((r for r in rows if r.cand.tag == "defaults" and r.measured), None)
+    front = frontier(rows)
+    chosen = choose(rows, target)  # may raise TargetUnreachable
+    log.info("tuner: chose %s (%d cached measurements reused)", chosen.cand.label(), cache.hits)
+    return TuneResult(rows=rows, chosen=chosen, base=base, front=front, constants=constants, context=context)
+
+
+def default_cache_dir() -> str:
+    """$DS_XC_CACHE or ~/.cache/ds_xc: the constants and the measurement cache."""
+    return os.environ.get("DS_XC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ds_xc")
