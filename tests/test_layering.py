@@ -25,7 +25,7 @@ FLOORS = {
     "ds_xc_ops": 0,
     "ds_xc.parallel": 1, "ds_xc.peers": 1,
     "ds_xc.head": 2, "ds_xc.sampling": 2,
-    "ds_xc.checkpoint": 3, "ds_xc.evaluate": 3, "ds_xc.manifest": 3,
+    "ds_xc.checkpoint": 3, "ds_xc.cost": 3, "ds_xc.evaluate": 3, "ds_xc.manifest": 3,
     "ds_xc.compression": 4, "ds_xc.optim": 4,
     "ds_xc.overlap": 5,
     "ds_xc.engine": 6, "ds_xc": 6,  # ds_xc/__init__.py: the public API

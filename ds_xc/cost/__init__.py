@@ -1,3 +1,5 @@
-"""Cost models of the head and the reduction: memory (memory.py), communication (comm.py) and
-compute time (compute.py), as functions of the config, the class count, the world size and the
-batch; launch/tune.py prunes its search space with them (docs/tuning.md)."""
+"""Cost models of a ds_xc job from its config: per-rank memory (memory.py), compute time of the
+head's step (compute.py); launch/tune.py prunes its search space with them (docs/tuning.md)."""
+from ds_xc.cost.memory import MemoryEstimate, estimate_memory, process_memory
+
+__all__ = ["MemoryEstimate", "estimate_memory", "process_memory"]
