@@ -71,6 +71,15 @@ class MeasurementCache:
         slot["measurements"][cand.key()] = dict(measurement, label=cand.label())
         self.save()
 
+    def get_screen(self, cand) -> Optional[float]:
+        return self.data.get(self.ctx, {}).get("screen", {}).get(cand.key())
+
+    def put_screens(self, pairs: list) -> None:
+        """[(candidate, screened recall)] at once (the screen runs before any measurement)."""
+        slot = self.data.setdefault(self.ctx, {"context": self.context, "measurements": {}})
+        slot.setdefault("screen", {}).update({c.key(): v for c, v in pairs})
+        self.save()
+
     def save(self) -> None:
         if not (self.path and self.writer):
             return

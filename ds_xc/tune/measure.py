@@ -66,6 +66,33 @@ def reset_peak() -> None:
         pass
 
 
+def release_free_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the system (glibc malloc_trim), so that
+    the next baseline RSS does not include a previous candidate's freed tensors."""
+    gc.collect()
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def tensor_bytes(head: ClassParallelHead, opt) -> dict:
+    """Bytes of the tensors a head holds between steps, by component: its weight, the optimizer
+    state (lazy_exact bookkeeping included), the sampler's index or graph."""
+    def nbytes(obj) -> int:
+        if isinstance(obj, torch.Tensor):
+            return obj.numel() * obj.element_size()
+        if isinstance(obj, dict):
+            return sum(nbytes(v) for v in obj.values())
+        if isinstance(obj, (list, tuple)):
+            return sum(nbytes(v) for v in obj)
+        return 0
+    index = getattr(head.sampler, "index", None)
+    sampler = nbytes(vars(index)) if index is not None else nbytes(getattr(head.sampler, "graph", None))
+    return {"head_weight": nbytes(head.weight), "head_optimizer": nbytes(dict(opt.state)), "sampler": sampler}
+
+
 def _max_over(values: list, group) -> list:
     """Element-wise max of a few floats over the head's group (every rank calls it)."""
     t = torch.tensor(values, dtype=torch.float64)
@@ -103,15 +130,19 @@ def _one_step(head, opt, x, y) -> float:
 
 
 def measure_candidate(section: dict, train_batch: Callable[[int], tuple], eval_batches: Callable[[], Iterable],
-                      *, steps: int = 4, warmup: int = 2, group=None) -> dict:
+                      *, steps: int = 4, warmup: int = 2, group=None, recall: bool = True,
+                      init_weight: Optional[torch.Tensor] = None) -> dict:
     """Build the head of ``section`` (an extreme_classification dict) on ``group``, train it for
     ``warmup + steps`` steps on ``train_batch(step) -> (x (B, d), y (B,))`` of this rank, and return
     the median step time, the amortised index build, memory per rank and the sampler recall on
     ``eval_batches()``. Every rank of the group calls it with its own batches."""
-    gc.collect()
+    release_free_memory()
     baseline = rss_bytes()
     head = ClassParallelHead.from_config(section, group=group)
     opt = build_head_optimizer(head, section.get("optimizer", {}))
+    if init_weight is not None:  # this rank's shard of shared trained weights
+        with torch.no_grad():
+            head.weight.copy_(init_weight)
     build_s = 0.0
     if hasattr(head.sampler, "rebuild"):  # the first step's index build, timed apart
         t0 = time.perf_counter()
@@ -130,15 +161,19 @@ def measure_candidate(section: dict, train_batch: Callable[[int], tuple], eval_b
     if warmup == 0:
         persistent = peak
     every = getattr(head.sampler_config, "rebuild_interval", 0)
-    step_s = statistics.median(times)
-    step_s, build_s, persistent, peak = _max_over([step_s, build_s, float(persistent), float(peak)], group)
-    recall = sampler_recall(head, eval_batches())
+    tensors = tensor_bytes(head, opt)
+    step_s, step_min = statistics.median(times), min(times)
+    step_s, step_min, build_s, persistent, peak, held = _max_over(
+        [step_s, step_min, build_s, float(persistent), float(peak), float(sum(tensors.values()))], group)
+    recall = sampler_recall(head, eval_batches()) if recall else {}
     stats = head.sampler_stats()
-    out = {"step_s": step_s, "build_s": build_s, "amortised_s": step_s + (build_s / every if every else 0.0),
-           "persistent_bytes": persistent, "peak_bytes": peak, "steps": steps,
+    amortise = build_s / every if every else 0.0
+    out = {"step_s": step_s, "step_min_s": step_min, "build_s": build_s, "amortised_s": step_s + amortise,
+           "amortised_min_s": step_min + amortise, "persistent_bytes": persistent, "peak_bytes": peak,
+           "tensor_bytes": held, "tensors": tensors, "steps": steps,
            "recall": recall.get("recall_active@10", 1.0), "recall_retrieved": recall.get("recall_retrieved@10"),
            "softmax_mass": recall.get("softmax_mass"), "active": stats.get("active"),
            "num_local": head.num_local, "update": head.update}
     del head, opt
-    gc.collect()
+    release_free_memory()
     return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in out.items()}

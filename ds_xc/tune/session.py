@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
@@ -19,7 +20,8 @@ from ds_xc.parallel.groups import is_distributed
 from ds_xc.tune.cache import MeasurementCache
 from ds_xc.tune.measure import measure_candidate
 from ds_xc.tune.space import TUNED_KEYS
-from ds_xc.tune.tuner import Target, Tuner, choose, frontier, predict_all, prune
+from ds_xc.tune.screen import pretrain_weight, screen_recall
+from ds_xc.tune.tuner import Target, Tuner, choose, frontier, predict_all, prune, prune_by_screen
 
 log = logging.getLogger(__name__)
 
@@ -73,20 +75,45 @@ def cache_context(raw: dict, world: int, steps: int, warmup: int, data: str) -> 
             "warmup": warmup, "data": data, "version": ds_xc.__version__}
 
 
+def screen(rows: list, raw: dict, cache: MeasurementCache, train_batch, eval_batches, pretrain_steps: int,
+           group=None) -> None:
+    """Every unpruned row's recall on shared trained weights (screen.py), from the cache when there."""
+    todo = [r for r in rows if not r.status.startswith("pruned")]
+    for r in todo:
+        r.screen = cache.get_screen(r.cand)
+    missing = [r for r in todo if r.screen is None]
+    if missing:
+        weight = pretrain_weight(raw[HEAD_SECTION], train_batch, pretrain_steps, group)
+        values = screen_recall([r.config[HEAD_SECTION] for r in missing], weight, eval_batches, group)
+        for r, v in zip(missing, values):
+            r.screen = v
+        cache.put_screens([(r.cand, r.screen) for r in missing])
+
+
 def tune(raw: dict, target: Target, train_batch: Callable[[int], tuple], eval_batches: Callable[[], Iterable], *,
          world: int = 1, group=None, cache_path: Optional[str] = None, constants_path: Optional[str] = None,
-         time_budget_s: float = 480.0, steps: int = 4, warmup: int = 2, types=("ann", "uniform", "full"),
-         data: str = "", progress: Optional[Callable] = None, is_writer: bool = True) -> TuneResult:
-    """Predict, prune, measure and choose (tuner.py); raises tuner.TargetUnreachable when nothing
-    measured meets the target. ``progress(row, done, total)`` after each measured row."""
+         time_budget_s: float = 420.0, steps: int = 4, warmup: int = 2, pretrain_steps: int = 30,
+         types=("ann", "uniform", "full"), data: str = "", progress: Optional[Callable] = None,
+         is_writer: bool = True) -> TuneResult:
+    """Predict, prune, screen the recall, measure and choose (tuner.py); raises
+    tuner.TargetUnreachable when nothing measured meets the target. ``progress(row)`` after each
+    measured row."""
+    t0 = time.perf_counter()
     constants = shared_constants(constants_path, group)
+    log.info("tuner: constants ready after %.1f s", time.perf_counter() - t0)
     rows = predict_all(raw, world, constants, types)
     prune(rows, target)
     context = cache_context(raw, world, steps, warmup, data)
+    context["pretrain_steps"] = pretrain_steps
     cache = MeasurementCache(cache_path, context, writer=is_writer).load_shared(group)
+    screen(rows, raw, cache, train_batch, eval_batches, pretrain_steps, group)
+    prune_by_screen(rows, target)
+    log.info("tuner: %d candidates predicted, recall screened after %.1f s", len(rows), time.perf_counter() - t0)
 
-    def measure(section: dict) -> dict:
-        return measure_candidate(section, train_batch, eval_batches, steps=steps, warmup=warmup, group=group)
+    def measure(row) -> dict:
+        m = measure_candidate(row.config[HEAD_SECTION], train_batch, eval_batches, steps=steps, warmup=warmup,
+                              group=group, recall=False)
+        return dict(m, recall=row.screen)
     tuner = Tuner(rows, target, measure, cache, time_budget_s, group=group, progress=progress)
     tuner.run()
     base = next((r for r in rows if r.cand.tag == "defaults" and r.measured), None)

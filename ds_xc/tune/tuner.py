@@ -27,7 +27,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from ds_xc.config import ConfigError, HEAD_SECTION
+from ds_xc.config import ConfigError
 from ds_xc.cost.compute import Constants, global_batch_of, predict_step_time
 from ds_xc.parallel.groups import is_distributed
 from ds_xc.tune.cache import MeasurementCache
@@ -35,7 +35,8 @@ from ds_xc.tune.space import Candidate, apply, build_space, stronger_or_equal
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Target", "Row", "TargetUnreachable", "predict_all", "choose", "Tuner", "frontier"]
+__all__ = ["Target", "Row", "TargetUnreachable", "predict_all", "prune", "prune_by_screen", "choose", "Tuner",
+           "frontier"]
 
 GIB = float(1 << 30)
 MEMORY_MARGIN = 1.15  # a predicted peak within 15% above the limit is still measured
@@ -80,6 +81,7 @@ class Row:
     measured: Optional[dict] = None
     status: str = "not measured"
     parts: dict = field(default_factory=dict)
+    screen: Optional[float] = None  # recall@10 on the shared trained weights (screen.py)
 
     def speedup(self, base_s: Optional[float]) -> Optional[float]:
         if self.measured is None or not base_s:
@@ -121,6 +123,14 @@ def predict_all(raw: dict, world: int, constants: Constants, types=("ann", "unif
         rows.append(Row(cand=cand, config=config, pred_s=st.total_s, pred_persistent=persistent, pred_peak=peak,
                         parts=st.parts))
     return rows
+
+
+def prune_by_screen(rows: list, target: Target) -> None:
+    """Mark the rows whose screened recall misses the target (the defaults are always measured)."""
+    for r in rows:
+        if target.min_recall is not None and r.screen is not None and r.screen < target.min_recall and \
+                r.cand.tag != "defaults" and not r.status.startswith("pruned"):
+            r.status = f"pruned: recall {r.screen:.3f} (screen)"
 
 
 def prune(rows: list, target: Target) -> None:
@@ -177,7 +187,7 @@ class Tuner:
     """Measures the short list in order (see the module docstring); every rank of the head's group
     runs it with the same rows (rank 0's predictions are broadcast) and its own batches."""
 
-    def __init__(self, rows: list, target: Target, measure: Callable[[dict], dict], cache: MeasurementCache,
+    def __init__(self, rows: list, target: Target, measure: Callable[["Row"], dict], cache: MeasurementCache,
                  time_budget_s: float, group=None, progress: Optional[Callable[[Row], None]] = None):
         self.rows, self.target, self.measure, self.cache = rows, target, measure, cache
         self.time_budget_s, self.group, self.progress = time_budget_s, group, progress
@@ -220,7 +230,7 @@ class Tuner:
                 if not self._agree(time.perf_counter() - t0 < self.time_budget_s):
                     row.status = "skipped: time budget spent"
                     continue
-                cached = self.measure(row.config[HEAD_SECTION])
+                cached = self.measure(row)
                 self.cache.put(row.cand, cached)
                 row.status = "measured"
             else:
