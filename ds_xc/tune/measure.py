@@ -20,6 +20,7 @@ top-10 over all classes (``ds_xc.sampling.metrics.active_set_quality``, the libr
 """
 from __future__ import annotations
 
+import copy
 import gc
 import logging
 import math
@@ -131,11 +132,14 @@ def _one_step(head, opt, x, y) -> float:
 
 def measure_candidate(section: dict, train_batch: Callable[[int], tuple], eval_batches: Callable[[], Iterable],
                       *, steps: int = 4, warmup: int = 2, group=None, recall: bool = True,
-                      init_weight: Optional[torch.Tensor] = None) -> dict:
+                      init_weight: Optional[torch.Tensor] = None, sampler_state: Optional[dict] = None,
+                      build_s: Optional[float] = None) -> dict:
     """Build the head of ``section`` (an extreme_classification dict) on ``group``, train it for
     ``warmup + steps`` steps on ``train_batch(step) -> (x (B, d), y (B,))`` of this rank, and return
     the median step time, the amortised index build, memory per rank and the sampler recall on
-    ``eval_batches()``. Every rank of the group calls it with its own batches."""
+    ``eval_batches()``. Every rank of the group calls it with its own batches. ``init_weight`` (this
+    rank's shard) replaces the initial weights; ``sampler_state`` (an ANN sampler's state_dict built
+    on those weights) and its ``build_s`` replace the index build."""
     release_free_memory()
     baseline = rss_bytes()
     head = ClassParallelHead.from_config(section, group=group)
@@ -143,11 +147,13 @@ def measure_candidate(section: dict, train_batch: Callable[[int], tuple], eval_b
     if init_weight is not None:  # this rank's shard of shared trained weights
         with torch.no_grad():
             head.weight.copy_(init_weight)
-    build_s = 0.0
-    if hasattr(head.sampler, "rebuild"):  # the first step's index build, timed apart
+    if sampler_state is not None:  # the index of those weights, built once by the screen
+        head.sampler.load_state_dict(copy.deepcopy(sampler_state))  # a copy: the steps re-encode rows
+    elif hasattr(head.sampler, "rebuild"):  # the first step's index build, timed apart
         t0 = time.perf_counter()
         head.rebuild_index()
         build_s = time.perf_counter() - t0
+    build_s = build_s or 0.0
     times = []
     for i in range(warmup + steps):
         x, y = train_batch(i)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import copy
 import json
 import logging
-from typing import Callable, Iterable
+import time
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -28,7 +29,7 @@ from ds_xc.tune.measure import release_free_memory
 
 log = logging.getLogger(__name__)
 
-__all__ = ["pretrain_weight", "screen_recall", "SWEPT_KEYS"]
+__all__ = ["pretrain_weight", "screen_recall", "structure_key", "SWEPT_KEYS"]
 
 SWEPT_KEYS = ("sample_rate", "scan_rows", "rerank")  # changed on a built index without a rebuild
 
@@ -86,14 +87,22 @@ def active_recall(head: ClassParallelHead, exact: list) -> float:
     return float(hits[0] / max(hits[1].item(), 1.0))
 
 
+def structure_key(sampler: dict) -> str:
+    """The key under which screen_recall files the index of a sampler section."""
+    return _structure(sampler)
+
+
 def _structure(sampler: dict) -> str:
     """The sampler's keys that shape its index (everything but the swept ones), as a key."""
     return json.dumps({k: v for k, v in sampler.items() if k not in SWEPT_KEYS}, sort_keys=True)
 
 
-def screen_recall(sections: list, weight: torch.Tensor, eval_batches: Callable[[], Iterable], group=None) -> list:
+def screen_recall(sections: list, weight: torch.Tensor, eval_batches: Callable[[], Iterable], group=None,
+                  indexes: Optional[dict] = None) -> list:
     """recall_active@10 of each extreme_classification section's sampler on ``weight`` (this
-    rank's shard), in the order given; every rank of the group calls it with the same sections."""
+    rank's shard), in the order given; every rank of the group calls it with the same sections.
+    ``indexes``, when given, receives {structure key: (sampler state, build seconds)} of every
+    index built, so that the measurements start from it instead of building it again."""
     out = [None] * len(sections)
     by_structure: dict = {}
     for i, sec in enumerate(sections):
@@ -108,7 +117,11 @@ def screen_recall(sections: list, weight: torch.Tensor, eval_batches: Callable[[
         head = ClassParallelHead.from_config(first, group=group)
         with torch.no_grad():
             head.weight.copy_(weight)
+        t0 = time.perf_counter()
         head.rebuild_index()
+        build_s = time.perf_counter() - t0
+        if indexes is not None and hasattr(head.sampler, "index"):
+            indexes[_structure(first["sampler"])] = (head.sampler.state_dict(), build_s)
         if exact is None:  # the exact top-10 depends on the weights only: once for every candidate
             exact = exact_top(head, eval_batches())
         seen: dict = {}

@@ -20,7 +20,7 @@ from ds_xc.parallel.groups import is_distributed
 from ds_xc.tune.cache import MeasurementCache
 from ds_xc.tune.measure import measure_candidate
 from ds_xc.tune.space import TUNED_KEYS
-from ds_xc.tune.screen import pretrain_weight, screen_recall
+from ds_xc.tune.screen import pretrain_weight, screen_recall, structure_key
 from ds_xc.tune.tuner import Target, Tuner, choose, frontier, predict_all, prune, prune_by_screen
 
 log = logging.getLogger(__name__)
@@ -76,18 +76,21 @@ def cache_context(raw: dict, world: int, steps: int, warmup: int, data: str) -> 
 
 
 def screen(rows: list, raw: dict, cache: MeasurementCache, train_batch, eval_batches, pretrain_steps: int,
-           group=None) -> None:
-    """Every unpruned row's recall on shared trained weights (screen.py), from the cache when there."""
+           group=None) -> tuple:
+    """Every unpruned row's recall on shared trained weights (screen.py), from the cache when there;
+    returns (the trained weights, {structure: (index state, build s)}), (None, {}) when all cached."""
     todo = [r for r in rows if not r.status.startswith("pruned")]
     for r in todo:
         r.screen = cache.get_screen(r.cand)
     missing = [r for r in todo if r.screen is None]
+    weight, indexes = None, {}
     if missing:
         weight = pretrain_weight(raw[HEAD_SECTION], train_batch, pretrain_steps, group)
-        values = screen_recall([r.config[HEAD_SECTION] for r in missing], weight, eval_batches, group)
+        values = screen_recall([r.config[HEAD_SECTION] for r in missing], weight, eval_batches, group, indexes)
         for r, v in zip(missing, values):
             r.screen = v
         cache.put_screens([(r.cand, r.screen) for r in missing])
+    return weight, indexes
 
 
 def tune(raw: dict, target: Target, train_batch: Callable[[int], tuple], eval_batches: Callable[[], Iterable], *,
@@ -106,13 +109,15 @@ def tune(raw: dict, target: Target, train_batch: Callable[[int], tuple], eval_ba
     context = cache_context(raw, world, steps, warmup, data)
     context["pretrain_steps"] = pretrain_steps
     cache = MeasurementCache(cache_path, context, writer=is_writer).load_shared(group)
-    screen(rows, raw, cache, train_batch, eval_batches, pretrain_steps, group)
+    weight, indexes = screen(rows, raw, cache, train_batch, eval_batches, pretrain_steps, group)
     prune_by_screen(rows, target)
     log.info("tuner: %d candidates predicted, recall screened after %.1f s", len(rows), time.perf_counter() - t0)
 
-    def measure(row) -> dict:
-        m = measure_candidate(row.config[HEAD_SECTION], train_batch, eval_batches, steps=steps, warmup=warmup,
-                              group=group, recall=False)
+    def measure(row) -> dict:  # from the screen's weights and index (when this run screened)
+        section = row.config[HEAD_SECTION]
+        state, build_s = indexes.get(structure_key(section.get("sampler", {})), (None, None))
+        m = measure_candidate(section, train_batch, eval_batches, steps=steps, warmup=warmup, group=group,
+                              recall=False, init_weight=weight, sampler_state=state, build_s=build_s)
         return dict(m, recall=row.screen)
     tuner = Tuner(rows, target, measure, cache, time_budget_s, group=group, progress=progress)
     tuner.run()

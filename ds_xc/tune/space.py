@@ -24,7 +24,7 @@ TUNED_KEYS = ("sampler.type", "sampler.sample_rate", "sampler.scan_rows", "sampl
 # knobs whose increase can only raise recall (at the same sampler type): the pruning's partial order
 RECALL_KNOBS = ("sample_rate", "scan_rows", "rerank", "code_bits")
 SAMPLE_RATES = (0.02, 0.05, 0.1)
-SCAN_ROWS = (8192, 16384, 32768, 65536)
+SCAN_ROWS = (8192, 16384, 65536)
 RERANKS = (64, 128, 256)
 CODE_BITS = (256, 512)
 UPDATES = ("lazy", "lazy_exact")

@@ -172,15 +172,15 @@ def choose(rows: list, target: Target) -> Row:
     if not measured:
         raise TargetUnreachable("no candidate was measured (the time budget ran out before the first "
                                 "measurement, or every candidate was pruned); raise --time_budget_s", None, rows)
-    fails = {r: target.failures(r, base_s) for r in measured}
+    fails = {id(r): target.failures(r, base_s) for r in measured}
     names = [f[0] for fs in fails.values() for f in fs]
     met = {n: sum(1 for fs in fails.values() if n not in [f[0] for f in fs]) for n in set(names)}
     tightest = min(met, key=lambda n: (met[n], -names.count(n)))
-    closest = min(measured, key=lambda r: sum(f[1] for f in fails[r]))
+    closest = min(measured, key=lambda r: sum(f[1] for f in fails[id(r)]))
     raise TargetUnreachable(
         f"no configuration meets the target: {tightest} is the tightest constraint (met by {met[tightest]} of "
         f"{len(measured)} measured candidates); the closest candidate is {closest.cand.label()} "
-        f"({'; '.join(f[2] for f in fails[closest])})", closest, rows)
+        f"({'; '.join(f[2] for f in fails[id(closest)])})", closest, rows)
 
 
 class Tuner:
