@@ -14,8 +14,9 @@ Work per step (``head_work``), every formula in docs/tuning.md:
 * gathers: the G active blocks (U d floats) in the forward and their row-sparse gradient;
 * ANN retrieval: query encoding 2 N d' b, probe 2 N c d' FLOPs, the Hamming scan of N S
   row-queries (scaled by b / 512), the exact re-rank: a gather of N R rows and 2 N R d FLOPs;
-* optimizer: dense L d elements, lazy U d, lazy_exact U d plus the catch-up of the re-ranked
-  candidates min(L, N R) d; re-encoding the changed rows (min(U, N k + N)) at 2 d' b FLOPs each
+* optimizer: dense L d elements, lazy U d; lazy_exact also catches up U d plus the re-ranked
+  candidates D(L, N R) d, D(L, n) = L (1 - exp(-n / L)) the distinct rows among n uniform draws;
+  re-encoding the changed rows (min(U, N k + N)) at 2 d' b FLOPs each
   per ``encode_interval`` steps; the k-means rebuild amortised over ``rebuild_interval``:
   iterations x 2 min(L, 64 c) c d' (training) + 2 L c d' (assignment) + 2 L d' b (codes);
 * communication (P > 1): the embeddings all-gathered and their gradient reduce-scattered
@@ -24,7 +25,9 @@ Work per step (``head_work``), every formula in docs/tuning.md:
 
 Time = sum of work x seconds-per-unit (``Constants``), plus a fixed per-step overhead of the
 sampler type (Python, dispatch) measured on a tiny real head. ``calibrate`` times a few
-repetitions of each kernel on this machine (about 3 s) and caches the constants as JSON.
+repetitions of each kernel on this machine, and real heads of 2^16 classes for the optimizer
+constants (10-20 s on 2 cores), keeping each one's fastest run; ``load_or_calibrate`` caches the
+constants as JSON per machine and thread count.
 """
 from __future__ import annotations
 
