@@ -272,10 +272,11 @@ def _calibrate_kernels(c: Constants, gen: torch.Generator) -> None:
     c.scan_s_per_rowq = _best_time(lambda: hamming_topk_flat(q, db, 256)) / (q.shape[0] * db.shape[0])
 
 
-def _timed_head(section: dict, batch: int, steps: int = 4) -> tuple[float, float]:
-    """(median forward, median optimizer step) seconds of a real head built from ``section``."""
+def _timed_head(section: dict, batch: int, steps: int = 4, group=None) -> tuple[float, float]:
+    """(fastest forward, fastest optimizer step) seconds of a real head built from ``section`` on
+    ``group`` (a one-rank group when torch.distributed runs several: calibration is local)."""
     from ds_xc.head import ClassParallelHead, build_head_optimizer
-    head = ClassParallelHead.from_config(section)
+    head = ClassParallelHead.from_config(section, group=group)
     opt = build_head_optimizer(head, section["optimizer"])
     gen = torch.Generator().manual_seed(2)
     fwd, upd = [], []
@@ -295,7 +296,7 @@ def _timed_head(section: dict, batch: int, steps: int = 4) -> tuple[float, float
     return min(fwd), min(upd)
 
 
-def _calibrate_updates(c: Constants) -> None:
+def _calibrate_updates(c: Constants, group=None) -> None:
     """Per-element cost of the head optimizer's step, dense (every row) and row-sparse (the active
     rows), and of lazy_exact's catch-up of the rows a step reads, from a real head of 2^16 classes:
     the catch-up is the forward time of lazy_exact less that of lazy, per caught-up element."""
@@ -306,21 +307,21 @@ def _calibrate_updates(c: Constants) -> None:
             return {"num_classes": L, "embedding_dim": d, "sampler": sampler, "chunk_size": 128,
                     "optimizer": {"type": kind, "lr": 0.01, "update": update}}
         uniform = {"type": "uniform", "sample_rate": rate}
-        _, dense = _timed_head(section(uniform, "dense"), batch)
-        fwd_lazy, lazy = _timed_head(section(uniform, "lazy"), batch)
-        fwd_exact, _ = _timed_head(section(uniform, "lazy_exact"), batch)
+        _, dense = _timed_head(section(uniform, "dense"), batch, group=group)
+        fwd_lazy, lazy = _timed_head(section(uniform, "lazy"), batch, group=group)
+        fwd_exact, _ = _timed_head(section(uniform, "lazy_exact"), batch, group=group)
         c.dense_update_s[kind] = dense / (L * d)
         c.sparse_update_s[kind] = lazy / (U * d)
         c.catchup_s[kind] = max(0.0, fwd_exact - fwd_lazy) / (U * d)
 
 
-def _tiny_head_overhead(c: Constants, sampler: dict) -> float:
+def _tiny_head_overhead(c: Constants, sampler: dict, group=None) -> float:
     """Seconds of a real head step at 4,096 classes and 64 rows less the modelled work: the fixed
     per-step cost (Python, dispatch, small tensors) of this sampler type."""
     from ds_xc.head import ClassParallelHead, build_head_optimizer
     section = {"num_classes": 4096, "embedding_dim": 64, "sampler": sampler,
                "optimizer": {"type": "sgd", "lr": 0.1}}
-    head = ClassParallelHead.from_config(section)
+    head = ClassParallelHead.from_config(section, group=group)
     opt = build_head_optimizer(head, section["optimizer"])
     gen = torch.Generator().manual_seed(1)
 
@@ -338,23 +339,24 @@ def _tiny_head_overhead(c: Constants, sampler: dict) -> float:
     return max(0.0, measured - predicted)
 
 
-def calibrate() -> Constants:
+def calibrate(group=None) -> Constants:
     """Time each kernel on this machine (a few repetitions; seconds) at the current thread count.
     The communication constants keep their loopback defaults (on one host the tuner measures the
-    multi-rank step directly; ds_xc/cost/comm.py models real links)."""
+    multi-rank step directly; ds_xc/cost/comm.py models real links). ``group``: a group holding only
+    this rank, for the real heads, when torch.distributed runs several ranks."""
     c = Constants(threads=torch.get_num_threads(), machine=os.uname().nodename)
     gen = torch.Generator().manual_seed(0)
     t0 = time.perf_counter()
     _calibrate_kernels(c, gen)
-    _calibrate_updates(c)
+    _calibrate_updates(c, group)
     for sampler in ({"type": "full"}, {"type": "uniform", "sample_rate": 0.1},
                     {"type": "ann", "sample_rate": 0.1, "rebuild_interval": 0}):
-        c.overhead_s[sampler["type"]] = _tiny_head_overhead(c, sampler)
+        c.overhead_s[sampler["type"]] = _tiny_head_overhead(c, sampler, group)
     log.info("calibrated the time model in %.1f s: %s", time.perf_counter() - t0, c.to_json())
     return c
 
 
-def load_or_calibrate(path: Optional[str], recalibrate: bool = False) -> Constants:
+def load_or_calibrate(path: Optional[str], recalibrate: bool = False, group=None) -> Constants:
     """The constants cached at ``path`` for this machine and thread count, else calibrate and save."""
     threads, machine = torch.get_num_threads(), os.uname().nodename
     if path and os.path.exists(path) and not recalibrate:
@@ -363,7 +365,7 @@ def load_or_calibrate(path: Optional[str], recalibrate: bool = False) -> Constan
         if data.get("version") == CONSTANTS_VERSION and data.get("threads") == threads and \
                 data.get("machine") == machine:
             return Constants.from_json(data)
-    c = calibrate()
+    c = calibrate(group)
     if path:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         tmp = f"{path}.tmp{os.getpid()}"

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ds_xc.config import HEAD_SECTION
 from ds_xc.cost.compute import Constants, global_batch_of, load_or_calibrate
-from ds_xc.parallel.groups import is_distributed
+from ds_xc.parallel.groups import group_ranks, is_distributed, new_groups
 from ds_xc.tune.cache import MeasurementCache
 from ds_xc.tune.measure import measure_candidate
 from ds_xc.tune.space import TUNED_KEYS
@@ -52,10 +52,15 @@ def changed_keys(before: dict, after: dict, prefix: str = "") -> list:
 
 
 def shared_constants(path: Optional[str], group=None, recalibrate: bool = False) -> Constants:
-    """Rank 0's calibrated (or cached) constants on every rank of ``group``."""
+    """Rank 0's calibrated (or cached) constants on every rank of ``group`` (the world, or a group
+    every world rank calls this for)."""
     if not is_distributed(group):
         return load_or_calibrate(path, recalibrate=recalibrate)
-    box = [load_or_calibrate(path, recalibrate=recalibrate).to_json() if dist.get_rank(group=group) == 0 else None]
+    # the calibration's heads run on rank 0 alone: a one-rank group per rank (every world rank
+    # creates every group, in the same order), so that rank 0's heads wait for no one
+    solo = new_groups([[r] for r in group_ranks(None)])
+    mine = load_or_calibrate(path, recalibrate=recalibrate, group=solo) if dist.get_rank(group=group) == 0 else None
+    box = [None if mine is None else mine.to_json()]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
     return Constants.from_json(box[0])
 
