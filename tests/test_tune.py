@@ -207,3 +207,36 @@ def test_interrupted_run_resumes_from_cache(tmp_path, monkeypatch):
     for r in reused:  # the cached values themselves, not new measurements
         assert r.measured["step_s"] == first_two[r.cand.key()]["step_s"]
     assert len(counted) == len(measured) - len(reused)  # only the others were measured again
+
+
+@pytest.mark.slow
+def test_launch_tune_end_to_end(tmp_path):
+    """launch/tune.py on a 2,000-class synthetic head: exit 0, the tuned JSON parses and differs from
+    the input only in tuned keys, the input file is unchanged, report and table are written; --out
+    naming the input is refused."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    raw = _raw(num_classes=2000, dim=16, micro=32, sampler={"type": "ann"})
+    src = tmp_path / "in.json"
+    src.write_text(json.dumps(raw, indent=1))
+    before = src.read_bytes()
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    c = Constants(threads=1, machine=os.uname().nodename)
+    (cache / "tune_constants.json").write_text(json.dumps(c.to_json()))
+    env = dict(os.environ, DS_XC_CACHE=str(cache), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, os.path.join(root, "launch", "tune.py"), "--deepspeed_config", str(src), "--min_recall",
+           "0.05", "--time_budget_s", "2", "--pretrain_steps", "2", "--steps", "1", "--warmup", "1",
+           "--samplers", "ann,uniform", "--out", str(tmp_path / "out.json")]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "chosen:" in done.stdout and "tuner wall time" in done.stdout
+    out = json.loads((tmp_path / "out.json").read_text())
+    ds_xc.parse_config(out)
+    assert set(changed_keys(raw, out)) <= {f"extreme_classification.{k}" for k in TUNED_KEYS}
+    assert src.read_bytes() == before
+    assert "Chosen:" in (tmp_path / "out.report.md").read_text()
+    refused = subprocess.run(cmd[:-1] + [str(src)], env=env, capture_output=True, text=True, timeout=600)
+    assert refused.returncode != 0 and "never overwrites" in refused.stderr
+    assert src.read_bytes() == before
