@@ -28,7 +28,7 @@ FLOORS = {
     "ds_xc.checkpoint": 3, "ds_xc.cost": 3, "ds_xc.evaluate": 3, "ds_xc.manifest": 3,
     "ds_xc.compression": 4, "ds_xc.optim": 4,
     "ds_xc.overlap": 5,
-    "ds_xc.engine": 6, "ds_xc": 6,  # ds_xc/__init__.py: the public API
+    "ds_xc.engine": 6, "ds_xc.tune": 6, "ds_xc": 6,  # ds_xc/__init__.py: the public API
 }
 # the configuration models: read by every floor, import nothing but each other
 CONFIG = ("ds_xc.config", "ds_xc.config_base", "ds_xc.config_compression", "ds_xc.config_topology",

@@ -1,0 +1,185 @@
+"""Measuring one candidate: a few real head steps (speed, memory) and the sampler's recall.
+
+The head is built as a job builds it (``ClassParallelHead.from_config`` and
+``build_head_optimizer`` on the candidate's ``extreme_classification`` section, on the head's
+group), and trained for ``warmup + steps`` steps on embeddings the caller supplies (launch/tune.py:
+the user's data set through its backbone at initialisation, frozen, so that every candidate sees
+the same inputs). One step = forward (input check, gathers, sampler: index upkeep, retrieval,
+active set), backward, optimizer step; its wall time is the median over the timed steps, and the
+max over the ranks of the group. The index build at the first step is timed apart and amortised
+over ``rebuild_interval`` as the time model does.
+
+Memory per rank from /proc/self/status: persistent = VmRSS after the warm-up less VmRSS before
+the head was built (weights, optimizer state, index); peak = the high-water mark (VmHWM, reset
+through /proc/self/clear_refs) over the timed steps less the same baseline.
+
+Recall: after the steps, on held-out batches, the sampler's active set for each gathered batch
+(built under no_grad, so no step is counted and the index is not changed) against the exact
+top-10 over all classes (``ds_xc.sampling.metrics.active_set_quality``, the library's own metric:
+``recall_active@10``; ``recall_retrieved@10`` for the ANN sampler's retrieved lists).
+"""
+from __future__ import annotations
+
+import copy
+import gc
+import logging
+import math
+import statistics
+import time
+from typing import Callable, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ds_xc.head import ClassParallelHead, build_head_optimizer
+from ds_xc.parallel.groups import is_distributed
+from ds_xc.sampling.metrics import active_set_quality
+
+log = logging.getLogger(__name__)
+
+__all__ = ["rss_bytes", "hwm_bytes", "reset_peak", "measure_candidate", "sampler_recall"]
+
+
+def _status_kib(name: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(name + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process now."""
+    return _status_kib("VmRSS") * 1024
+
+
+def hwm_bytes() -> int:
+    """Peak resident set size since the last ``reset_peak`` (or the start)."""
+    return _status_kib("VmHWM") * 1024
+
+
+def reset_peak() -> None:
+    """Reset VmHWM to the current RSS (Linux: writing 5 to /proc/self/clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:  # not Linux, or not permitted: the peak then counts from the start
+        pass
+
+
+def release_free_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the system (glibc malloc_trim), so that
+    the next baseline RSS does not include a previous candidate's freed tensors."""
+    gc.collect()
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def tensor_bytes(head: ClassParallelHead, opt) -> dict:
+    """Bytes of the tensors a head holds between steps, by component: its weight, the optimizer
+    state (lazy_exact bookkeeping included), the sampler's index or graph."""
+    def nbytes(obj) -> int:
+        if isinstance(obj, torch.Tensor):
+            return obj.numel() * obj.element_size()
+        if isinstance(obj, dict):
+            return sum(nbytes(v) for v in obj.values())
+        if isinstance(obj, (list, tuple)):
+            return sum(nbytes(v) for v in obj)
+        return 0
+    index = getattr(head.sampler, "index", None)
+    sampler = nbytes(vars(index)) if index is not None else nbytes(getattr(head.sampler, "graph", None))
+    return {"head_weight": nbytes(head.weight), "head_optimizer": nbytes(dict(opt.state)), "sampler": sampler}
+
+
+def _max_over(values: list, group) -> list:
+    """Element-wise max of a few floats over the head's group (every rank calls it)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    if is_distributed(group):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+@torch.no_grad()
+def sampler_recall(head: ClassParallelHead, batches: Iterable, k: int = 10) -> dict:
+    """Mean recall_active@k (and recall_retrieved@k for ANN) of the head's sampler over held-out
+    (embeddings, labels) batches of this rank; collective over the head's group."""
+    head.catch_up()
+    sums, count = {}, 0
+    for x, y in batches:
+        verdict = head.check_batch(x, y, None)
+        xg, yg = head.gather(x, y, verdict.sizes)  # (N, d), (N,)
+        active = head.sampler.sample(yg, xg if head.sampler.needs_embeddings else None, head.weight)
+        retrieved = getattr(head.sampler, "last_retrieved", None) if head.sampler_config.type == "ann" else None
+        q = active_set_quality(xg, head.weight, head.class_start, active, head.loss_fn.normalised,
+                               head.loss_fn.scale, retrieved=retrieved, k=k, group=head.group)
+        for key, value in q.items():
+            sums[key] = sums.get(key, 0.0) + float(value)
+        count += 1
+    return {key: value / max(count, 1) for key, value in sums.items()}
+
+
+def _one_step(head, opt, x, y) -> float:
+    t0 = time.perf_counter()
+    loss = head(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
+
+
+def measure_candidate(section: dict, train_batch: Callable[[int], tuple], eval_batches: Callable[[], Iterable],
+                      *, steps: int = 4, warmup: int = 2, group=None, recall: bool = True,
+                      init_weight: Optional[torch.Tensor] = None, sampler_state: Optional[dict] = None,
+                      build_s: Optional[float] = None) -> dict:
+    """Build the head of ``section`` (an extreme_classification dict) on ``group``, train it for
+    ``warmup + steps`` steps on ``train_batch(step) -> (x (B, d), y (B,))`` of this rank, and return
+    the median step time, the amortised index build, memory per rank and the sampler recall on
+    ``eval_batches()``. Every rank of the group calls it with its own batches. ``init_weight`` (this
+    rank's shard) replaces the initial weights; ``sampler_state`` (an ANN sampler's state_dict built
+    on those weights) and its ``build_s`` replace the index build."""
+    release_free_memory()
+    baseline = rss_bytes()
+    head = ClassParallelHead.from_config(section, group=group)
+    opt = build_head_optimizer(head, section.get("optimizer", {}))
+    if init_weight is not None:  # this rank's shard of shared trained weights
+        with torch.no_grad():
+            head.weight.copy_(init_weight)
+    if sampler_state is not None:  # the index of those weights, built once by the screen
+        head.sampler.load_state_dict(copy.deepcopy(sampler_state))  # a copy: the steps re-encode rows
+    elif hasattr(head.sampler, "rebuild"):  # the first step's index build, timed apart
+        t0 = time.perf_counter()
+        head.rebuild_index()
+        build_s = time.perf_counter() - t0
+    build_s = build_s or 0.0
+    times = []
+    for i in range(warmup + steps):
+        x, y = train_batch(i)
+        if i == warmup:
+            reset_peak()
+            persistent = rss_bytes() - baseline
+        dt = _one_step(head, opt, x.detach().requires_grad_(True), y)
+        if i >= warmup:
+            times.append(dt)
+    peak = hwm_bytes() - baseline
+    if warmup == 0:
+        persistent = peak
+    every = getattr(head.sampler_config, "rebuild_interval", 0)
+    tensors = tensor_bytes(head, opt)
+    step_s, step_min = statistics.median(times), min(times)
+    step_s, step_min, build_s, persistent, peak, held = _max_over(
+        [step_s, step_min, build_s, float(persistent), float(peak), float(sum(tensors.values()))], group)
+    recall = sampler_recall(head, eval_batches()) if recall else {}
+    stats = head.sampler_stats()
+    amortise = build_s / every if every else 0.0
+    out = {"step_s": step_s, "step_min_s": step_min, "build_s": build_s, "amortised_s": step_s + amortise,
+           "amortised_min_s": step_min + amortise, "persistent_bytes": persistent, "peak_bytes": peak,
+           "tensor_bytes": held, "tensors": tensors, "steps": steps,
+           "recall": recall.get("recall_active@10", 1.0), "recall_retrieved": recall.get("recall_retrieved@10"),
+           "softmax_mass": recall.get("softmax_mass"), "active": stats.get("active"),
+           "num_local": head.num_local, "update": head.update}
+    del head, opt
+    release_free_memory()
+    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in out.items()}

@@ -1,0 +1,242 @@
+"""The tuner (launch/tune.py, ds_xc/tune) and the time model (ds_xc/cost/compute.py).
+
+* the time model's work counts against hand-worked values (full, uniform and ann heads, 1 and 2
+  ranks, head-wide scan budgets);
+* config in, config out: only the tuned keys change, every other key is kept, the output parses;
+  the tuner never writes over its input;
+* an impossible target is a TargetUnreachable naming the tightest constraint and the closest
+  candidate (a real run on a small head);
+* an interrupted run resumes from its cache: the measurements made before the interruption are
+  reused, not repeated, and the choice equals an uninterrupted run's.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+
+import pytest
+import torch
+
+import ds_xc
+from ds_xc.cost.compute import Constants, distinct_rows, head_work, predict_step_time, shape_of
+from ds_xc.tune import TUNED_KEYS, Candidate, Target, TargetUnreachable, apply, changed_keys, tune, write_config
+from ds_xc.tune import session as tune_session
+
+
+def _raw(num_classes=1000, dim=16, sampler=None, micro=64, loss="cosface", **head):
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.002}}, "zero_optimization": {"stage": 0},
+            "extreme_classification": dict({"num_classes": num_classes, "embedding_dim": dim,
+                                             "loss": {"type": loss}, "sampler": sampler or {"type": "full"},
+                                             "chunk_size": 32, "optimizer": {"type": "sgd", "lr": 0.1}}, **head),
+            "xc_train": {"data": "synthetic", "max_steps": 10}}
+
+
+# ----------------------------------------------------------------------------- the time model's counts
+def test_full_head_flops_by_hand():
+    w = head_work(shape_of(_raw(), world_size=1))
+    assert w["loss_flops"] == 6 * 64 * 1000 * 16  # forward 2NLd + backward 4NLd
+    assert w["loss_elems"] == 64 * 1000
+    assert w["update_elems"] == 1000 * 16  # auto -> dense for the full sampler
+    assert w["gather_bytes"] == 0 and w["scan_rowq"] == 0 and w["comm_bytes"] == 0
+    w2 = head_work(shape_of(_raw(), world_size=2))  # N = 64 x 2 rows, L = 500 per rank
+    assert w2["loss_flops"] == 6 * 128 * 500 * 16
+    assert w2["collectives"] == 4 + 2 * 4  # 128 rows in chunks of 32: two all-reduces per chunk
+    assert w2["comm_bytes"] == 2 * 64 * 16 * 4 + 64 * 8 + 4 * 2 * 128 * 4 * 2
+
+
+def test_uniform_head_flops_by_hand():
+    raw = _raw(sampler={"type": "uniform", "sample_rate": 0.1})
+    w = head_work(shape_of(raw, world_size=1))
+    assert w["loss_flops"] == 6 * 64 * 100 * 16  # K = ceil(0.1 * 1000)
+    assert w["update_elems"] == 100 * 16  # lazy_exact (auto): the K active rows
+    assert w["catchup_elems"] == 100 * 16
+    assert w["gather_bytes"] == 2 * 100 * 16 * 4
+
+
+def test_ann_head_counts_by_hand():
+    sampler = {"type": "ann", "sample_rate": 0.1, "nprobe": 2, "scan_rows": 256, "code_bits": 64, "top_k": 16,
+               "rebuild_interval": 100, "kmeans_iterations": 5}
+    shape = shape_of(_raw(sampler=sampler), world_size=2)
+    L = 500
+    nlist = round(math.sqrt(L))  # 22
+    assert (shape.L, shape.K, shape.nlist) == (L, 50, nlist)
+    assert shape.S == max(math.ceil(256 * L / 1000), math.ceil(2 * L / nlist)) == 128
+    assert shape.R == max(16, math.ceil(256 * L / 1000)) == 128  # head-wide rerank 256: this shard's half
+    w = head_work(shape)
+    N = 128
+    assert w["encode_flops"] == 2 * N * 16 * 64
+    assert w["probe_flops"] == 2 * N * nlist * 16
+    assert w["scan_rowq"] == N * 128 * 64 / 512
+    assert w["rerank_flops"] == 2 * N * 128 * 16 and w["rerank_bytes"] == N * 128 * 16 * 4
+    assert w["catchup_elems"] == pytest.approx(50 * 16 + distinct_rows(L, N * 128) * 16)
+    per_build = 5 * 2 * min(L, 64 * nlist) * nlist * 16 + 2 * L * nlist * 16 + 2 * L * 16 * 64
+    assert w["rebuild_flops"] == pytest.approx(per_build / 100)
+    assert w["reencode_flops"] == 2 * min(50, N * 16 + N) * 16 * 64
+    # plain softmax: the MIPS reduction codes d + 1 dims
+    assert shape_of(_raw(sampler=sampler, loss="softmax"), world_size=2).d_code == 17
+
+
+def test_distinct_rows_and_predicted_parts():
+    assert distinct_rows(1000, 0) == 0
+    assert distinct_rows(1000, 1) == pytest.approx(1.0, rel=1e-3)
+    assert distinct_rows(1000, 1e6) == pytest.approx(1000)
+    c = Constants(matmul_s_per_flop=1e-9, elem_s=0.0, gather_s_per_byte=0.0, overhead_s={"full": 0.5})
+    st = predict_step_time(_raw(), world_size=1, constants=c)
+    assert st.parts["loss"] == pytest.approx(6 * 64 * 1000 * 16 * 1e-9)
+    assert st.parts["overhead"] == 0.5
+    assert st.total_s == pytest.approx(sum(st.parts.values()))
+
+
+# ----------------------------------------------------------------------------- config in, config out
+def test_apply_changes_only_tuned_keys():
+    raw = _raw(sampler={"type": "ann", "sample_rate": 0.2, "top_k": 32, "groups": 2}, init_std=0.02)
+    raw["custom_user_key"] = {"kept": [1, 2, 3]}
+    before = copy.deepcopy(raw)
+    cand = Candidate(type="ann", sample_rate=0.05, scan_rows=8192, rerank=128, code_bits=256, update="lazy")
+    out = apply(raw, cand)
+    assert raw == before  # the input dict is not modified
+    allowed = {f"extreme_classification.{k}" for k in TUNED_KEYS}
+    assert set(changed_keys(raw, out)) <= allowed
+    assert out["extreme_classification"]["sampler"]["top_k"] == 32  # untuned sampler keys kept
+    assert out["extreme_classification"]["sampler"]["groups"] == 2
+    assert out["custom_user_key"] == {"kept": [1, 2, 3]} and out["optimizer"] == raw["optimizer"]
+    parsed = ds_xc.parse_config(json.loads(json.dumps(out))).extreme_classification
+    assert (parsed.sampler.sample_rate, parsed.sampler.scan_rows, parsed.sampler.code_bits) == (0.05, 8192, 256)
+    assert parsed.optimizer.update == "lazy"
+    # a type change drops the keys the new sampler does not have; defaults: tuned keys removed
+    uni = apply(raw, Candidate(type="uniform", sample_rate=0.1))
+    assert uni["extreme_classification"]["sampler"] == {"type": "uniform", "sample_rate": 0.1}
+    assert "update" not in uni["extreme_classification"]["optimizer"]
+    assert set(changed_keys(raw, uni)) <= allowed | {"extreme_classification.sampler.top_k",
+                                                     "extreme_classification.sampler.groups"}
+
+
+def test_write_config_never_overwrites_input(tmp_path):
+    src = tmp_path / "in.json"
+    src.write_text(json.dumps(_raw()))
+    with pytest.raises(ValueError, match="never overwrites"):
+        write_config(_raw(num_classes=5), str(src), str(src))
+    link = tmp_path / "link.json"
+    link.symlink_to(src)
+    with pytest.raises(ValueError, match="never overwrites"):
+        write_config(_raw(num_classes=5), str(link), str(src))
+    assert json.loads(src.read_text()) == _raw()
+
+
+# ----------------------------------------------------------------------------- real tuner runs (small)
+def _inputs(num_classes, dim, batch, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    protos = torch.nn.functional.normalize(torch.randn(num_classes, dim, generator=gen), dim=1)
+
+    def draw(n):
+        y = torch.randint(0, num_classes, (n,), generator=gen)
+        return protos[y] + 0.3 * torch.randn(n, dim, generator=gen), y
+    train = [draw(batch) for _ in range(8)]
+    held = [draw(batch)]
+    return (lambda i: train[i % len(train)]), (lambda: iter(held))
+
+
+def _constants_file(tmp_path) -> str:
+    path = str(tmp_path / "constants.json")
+    c = Constants(threads=torch.get_num_threads(), machine=os.uname().nodename)
+    with open(path, "w") as fh:
+        json.dump(c.to_json(), fh)
+    return path
+
+
+def _run(tmp_path, target, **kw):
+    raw = _raw(num_classes=3000, dim=16, micro=64, sampler={"type": "ann"})
+    train, held = _inputs(3000, 16, 64)
+    return raw, tune(raw, target, train, held, world=1, cache_path=str(tmp_path / "cache.json"),
+                     constants_path=_constants_file(tmp_path), steps=1, warmup=1, pretrain_steps=4,
+                     types=("ann", "uniform"), **kw)
+
+
+@pytest.mark.slow
+def test_tuner_output_parses_and_keeps_other_keys(tmp_path):
+    raw, res = _run(tmp_path, Target(min_recall=0.2, max_memory_gib=4.0), time_budget_s=3.0)
+    out = res.chosen.config
+    ds_xc.parse_config(out)
+    assert set(changed_keys(raw, out)) <= {f"extreme_classification.{k}" for k in TUNED_KEYS}
+    assert res.chosen.measured["recall"] >= 0.2
+    measured = [r for r in res.rows if r.measured]
+    assert res.base is not None and res.base in measured  # the defaults are always measured
+    assert res.chosen.measured["amortised_s"] == min(r.measured["amortised_s"] for r in measured
+                                                    if r.measured["recall"] >= 0.2)
+
+
+def test_impossible_target_names_tightest_constraint(tmp_path):
+    with pytest.raises(TargetUnreachable) as info:
+        _run(tmp_path, Target(max_memory_gib=1e-6, min_recall=0.2), time_budget_s=3.0)
+    msg = str(info.value)
+    assert "max_memory_gib is the tightest constraint" in msg
+    assert info.value.closest is not None and info.value.closest.cand.label() in msg
+    assert "GiB per rank >" in msg
+
+
+@pytest.mark.slow
+def test_interrupted_run_resumes_from_cache(tmp_path, monkeypatch):
+    real = tune_session.measure_candidate
+    calls = []
+
+    def interrupted(*a, **k):
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the run is killed during its third measurement
+        calls.append(1)
+        return real(*a, **k)
+    monkeypatch.setattr(tune_session, "measure_candidate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _run(tmp_path, Target(min_recall=0.2), time_budget_s=60.0)
+    cache = json.loads((tmp_path / "cache.json").read_text())
+    (slot,) = cache.values()
+    assert len(slot["measurements"]) == 2 and slot["screen"]
+    first_two = dict(slot["measurements"])
+    counted = []
+
+    def counting(*a, **k):
+        counted.append(1)
+        return real(*a, **k)
+    monkeypatch.setattr(tune_session, "measure_candidate", counting)
+    _, res = _run(tmp_path, Target(min_recall=0.2), time_budget_s=60.0)
+    measured = [r for r in res.rows if r.measured is not None]
+    reused = [r for r in measured if r.cand.key() in first_two]
+    assert {r.cand.key() for r in reused} == set(first_two)
+    for r in reused:  # the cached values themselves, not new measurements
+        assert r.measured["step_s"] == first_two[r.cand.key()]["step_s"]
+    assert len(counted) == len(measured) - len(reused)  # only the others were measured again
+
+
+@pytest.mark.slow
+def test_launch_tune_end_to_end(tmp_path):
+    """launch/tune.py on a 2,000-class synthetic head: exit 0, the tuned JSON parses and differs from
+    the input only in tuned keys, the input file is unchanged, report and table are written; --out
+    naming the input is refused."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    raw = _raw(num_classes=2000, dim=16, micro=32, sampler={"type": "ann"})
+    src = tmp_path / "in.json"
+    src.write_text(json.dumps(raw, indent=1))
+    before = src.read_bytes()
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    c = Constants(threads=1, machine=os.uname().nodename)
+    (cache / "tune_constants.json").write_text(json.dumps(c.to_json()))
+    env = dict(os.environ, DS_XC_CACHE=str(cache), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, os.path.join(root, "launch", "tune.py"), "--deepspeed_config", str(src), "--min_recall",
+           "0.05", "--time_budget_s", "2", "--pretrain_steps", "2", "--steps", "1", "--warmup", "1",
+           "--samplers", "ann,uniform", "--out", str(tmp_path / "out.json")]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "chosen:" in done.stdout and "tuner wall time" in done.stdout
+    out = json.loads((tmp_path / "out.json").read_text())
+    ds_xc.parse_config(out)
+    assert set(changed_keys(raw, out)) <= {f"extreme_classification.{k}" for k in TUNED_KEYS}
+    assert src.read_bytes() == before
+    assert "Chosen:" in (tmp_path / "out.report.md").read_text()
+    refused = subprocess.run(cmd[:-1] + [str(src)], env=env, capture_output=True, text=True, timeout=600)
+    assert refused.returncode != 0 and "never overwrites" in refused.stderr
+    assert src.read_bytes() == before
