@@ -55,7 +55,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     import ds_xc
     from ds_xc.compression import attach_to_engine
-    from ds_xc.data import build_dataset, dataset_kwargs
+    from ds_xc.data import build_task_data
     from ds_xc.engine import init_distributed, load_raw_config
     from ds_xc.evaluate import evaluate_topk
     from ds_xc.models import build_backbone
@@ -72,11 +72,7 @@ def main(argv=None) -> dict:
         raw.setdefault("extreme_classification", {})["seed"] = args.seed
     xcfg = ds_xc.parse_config(raw)
     tcfg, hcfg = xcfg.xc_train, xcfg.extreme_classification
-    if rank != 0:
-        dist.barrier()  # rank 0 builds any data cache first
-    data = build_dataset(tcfg.data, hcfg.num_classes, seed=tcfg.seed, **dataset_kwargs(tcfg))
-    if rank == 0:
-        dist.barrier()
+    data = build_task_data(tcfg, hcfg.num_classes, rank=rank, group=dist.group.WORLD)
     torch.manual_seed(tcfg.seed)
     backbone = build_backbone(data, hcfg.embedding_dim, hidden_dim=tcfg.hidden_dim)
     xc = ds_xc.initialize(model=backbone, config=raw)

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import ds_xc  # noqa: E402
 from ds_xc.cost import process_memory  # noqa: E402
-from ds_xc.data import build_dataset, dataset_kwargs  # noqa: E402
+from ds_xc.data import build_task_data  # noqa: E402
 from ds_xc.engine import describe_comm_failure, init_distributed, is_comm_failure, load_raw_config  # noqa: E402
 from ds_xc.evaluate import evaluate_topk  # noqa: E402
 from ds_xc.parallel.agree import all_or_none  # noqa: E402
@@ -200,12 +200,7 @@ def _build_data(tcfg, hcfg, rank: int):
     elif tcfg.data == "glyphs":
         say("preparing the glyphs data set (fonts fetched from Debian and rendered once, about 3 minutes; "
             "cached afterwards)...")
-    if rank != 0:
-        dist.barrier()  # rank 0 builds any cache first
-    data = build_dataset(tcfg.data, hcfg.num_classes, seed=tcfg.seed, **dataset_kwargs(tcfg))
-    if rank == 0:
-        dist.barrier()
-    return data
+    return build_task_data(tcfg, hcfg.num_classes, rank=rank, group=dist.group.WORLD)
 
 
 def _resume(job: Job) -> int:

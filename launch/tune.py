@@ -28,7 +28,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 import ds_xc  # noqa: E402
-from ds_xc.data import build_dataset, dataset_kwargs  # noqa: E402
+from ds_xc.data import build_task_data  # noqa: E402
 from ds_xc.engine import init_distributed, load_raw_config  # noqa: E402
 from ds_xc.models import build_backbone  # noqa: E402
 from ds_xc.tune import (Target, TargetUnreachable, changed_keys, default_cache_dir, default_output_path,  # noqa: E402
@@ -82,11 +82,7 @@ def build_inputs(raw: dict, rank: int, world: int, total: int, eval_count: int):
     batches of the measured steps (the same for every candidate) and the held-out batches."""
     xcfg = ds_xc.parse_config(raw)
     tcfg, hcfg = xcfg.xc_train, xcfg.extreme_classification
-    if rank != 0:
-        dist.barrier()  # rank 0 builds any data cache first
-    data = build_dataset(tcfg.data, hcfg.num_classes, seed=tcfg.seed, **dataset_kwargs(tcfg))
-    if rank == 0:
-        dist.barrier()
+    data = build_task_data(tcfg, hcfg.num_classes, rank=rank, group=dist.group.WORLD)
     torch.manual_seed(tcfg.seed)
     backbone = build_backbone(data, hcfg.embedding_dim, hidden_dim=tcfg.hidden_dim).eval()
     micro = int(raw.get("train_micro_batch_size_per_gpu", 256)) * int(raw.get("gradient_accumulation_steps", 1))

@@ -35,5 +35,19 @@ def build_dataset(name: str, num_classes: int, seed: int = 0, **kwargs) -> XCDat
     return DATASETS[name](num_classes, seed=seed, **kwargs)
 
 
+def build_task_data(train, num_classes: int, *, rank: int, group) -> XCDataset:
+    """The data set an ``xc_train`` section names, built by rank 0 of ``group`` first (it fills
+    any cache on disk: tokenised text, rendered glyphs, fetched corpus), then by the other ranks,
+    which then read that cache instead of all building it at once."""
+    import torch.distributed as dist
+
+    if rank != 0:
+        dist.barrier(group=group)
+    data = build_dataset(train.data, num_classes, seed=train.seed, **dataset_kwargs(train))
+    if rank == 0:
+        dist.barrier(group=group)
+    return data
+
+
 __all__ = ["DATASETS", "CorpusDataset", "GlyphDataset", "SyntheticDataset", "TextDataset", "XCDataset",
-           "build_dataset", "dataset_kwargs"]
+           "build_dataset", "build_task_data", "dataset_kwargs"]
