@@ -98,8 +98,10 @@ def load_raw(config: Union[str, os.PathLike, dict]) -> dict:
         raise ConfigError(f"config file {path!r} does not exist")
     with open(path) as fh:
         text = fh.read()
+    if not text.strip():  # hjson reads "" as {}: an empty file (or one being written) is refused, not "no sections"
+        raise ConfigError(f"config file {path!r} is empty; expected a JSON object")
     try:
-        return json.loads(text)
+        raw = json.loads(text)
     except json.JSONDecodeError:
         try:  # DeepSpeed accepts hjson (comments); so do we when hjson is installed
             import hjson
@@ -108,3 +110,6 @@ def load_raw(config: Union[str, os.PathLike, dict]) -> dict:
             raise ConfigError(f"config file {path!r} is not valid JSON") from None
         except Exception as exc:  # hjson error: report file and reason
             raise ConfigError(f"config file {path!r} is not valid JSON/hjson: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path!r} holds a JSON {type(raw).__name__}; expected an object (dict)")
+    return raw

@@ -63,6 +63,7 @@ def _train(rank, world, kind, stage, path, bf16=False):
     logging.getLogger("ds_xc").setLevel(logging.INFO)
     body = _backbone()
     if path:  # the JSON file through args.deepspeed_config, as launch/train.py passes it
+        path = f"{path}.rank{rank}"  # one file per rank: a shared one would be truncated by one rank as another reads
         with open(path, "w") as fh:
             json.dump(_config(kind, stage), fh)
         xc = ds_xc.initialize(args=argparse.Namespace(deepspeed_config=path, local_rank=rank), model=body)

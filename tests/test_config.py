@@ -112,6 +112,14 @@ def test_missing_file_and_bad_json(tmp_path):
     bad.write_text("{ not json")
     with pytest.raises(ConfigError, match="bad.json"):
         parse_config(str(bad))
+    empty = tmp_path / "empty.json"  # hjson would read "" as {}: refused as empty, not as "no section"
+    empty.write_text(" \n")
+    with pytest.raises(ConfigError, match="empty.json' is empty"):
+        parse_config(str(empty))
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="holds a JSON list"):
+        parse_config(str(listed))
 
 
 def test_from_config_accepts_dict_and_model():
