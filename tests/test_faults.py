@@ -137,6 +137,8 @@ def _job(ctx, folder, spec, save_dir=None, cfg=None):
             fault_t = float(open(stamp).read())
             deadline = min(deadline, fault_t + TIMEOUT_S + SLACK_S)  # nobody may run past this
         time.sleep(0.02)
+    if fault_t is None and os.path.exists(stamp) and os.path.getsize(stamp):  # the survivor left between two polls
+        fault_t = float(open(stamp).read())
     hung = [r for r, p in enumerate(procs) if p.is_alive() and not (r == victim and spec["action"] == "stop")]
     stop_s = time.time() - fault_t if fault_t else None
     for p in procs:
