@@ -105,7 +105,7 @@ def load_raw(config: Union[str, os.PathLike, dict]) -> dict:
     except json.JSONDecodeError:
         try:  # DeepSpeed accepts hjson (comments); so do we when hjson is installed
             import hjson
-            return dict(hjson.loads(text))
+            raw = hjson.loads(text)  # an object comes back as a dict subclass; anything else is refused below
         except ImportError:
             raise ConfigError(f"config file {path!r} is not valid JSON") from None
         except Exception as exc:  # hjson error: report file and reason

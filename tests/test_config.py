@@ -120,6 +120,9 @@ def test_missing_file_and_bad_json(tmp_path):
     listed.write_text("[1, 2]")
     with pytest.raises(ConfigError, match="holds a JSON list"):
         parse_config(str(listed))
+    listed.write_text("[\n // hjson: a comment, then a list of pairs\n [1, 2]\n]")
+    with pytest.raises(ConfigError, match="holds a JSON list"):
+        parse_config(str(listed))
 
 
 def test_from_config_accepts_dict_and_model():

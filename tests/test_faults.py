@@ -117,6 +117,14 @@ def _server():
     return ctx
 
 
+def _stamp_time(stamp: str):
+    """The time the victim wrote to ``stamp`` before acting (None while the file is absent or empty)."""
+    if os.path.exists(stamp) and os.path.getsize(stamp):
+        with open(stamp) as fh:
+            return float(fh.read())
+    return None
+
+
 def _job(ctx, folder, spec, save_dir=None, cfg=None):
     """Run a 2-rank job with ``spec`` injected; returns {"codes", "logs", "pids", "stop_s", "fault_t", "hung"}."""
     os.makedirs(folder, exist_ok=True)
@@ -133,12 +141,12 @@ def _job(ctx, folder, spec, save_dir=None, cfg=None):
     victim = spec.get("rank") if spec.get("action") in ("kill", "stop") else None  # the others must exit
     waited = [p for r, p in enumerate(procs) if r != victim]
     while time.time() < deadline and any(p.is_alive() for p in waited):
-        if fault_t is None and os.path.exists(stamp) and os.path.getsize(stamp):
-            fault_t = float(open(stamp).read())
-            deadline = min(deadline, fault_t + TIMEOUT_S + SLACK_S)  # nobody may run past this
+        if fault_t is None:
+            fault_t = _stamp_time(stamp)
+            if fault_t is not None:
+                deadline = min(deadline, fault_t + TIMEOUT_S + SLACK_S)  # nobody may run past this
         time.sleep(0.02)
-    if fault_t is None and os.path.exists(stamp) and os.path.getsize(stamp):  # the survivor left between two polls
-        fault_t = float(open(stamp).read())
+    fault_t = fault_t if fault_t is not None else _stamp_time(stamp)  # the survivor may leave between two polls
     hung = [r for r, p in enumerate(procs) if p.is_alive() and not (r == victim and spec["action"] == "stop")]
     stop_s = time.time() - fault_t if fault_t else None
     for p in procs:
