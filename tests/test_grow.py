@@ -22,7 +22,7 @@ import ds_xc
 from ds_xc.checkpoint import ShardRows, load_file
 from ds_xc.head import init_shard, shard_range
 from ds_xc.head.imprint import ImprintSums, imprint_rows, new_class_range
-from tests.dist_pool import free_port
+from tests.train_procs import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 C, C2, D, IN, B, SEED = 23, 31, 6, 5, 4, 11
@@ -233,15 +233,11 @@ def test_imprint_from_the_command_line_and_resume(tmp_path):
         want = F.normalize(emb[y == c].mean(0), dim=0) * scale
         assert (y == c).sum() > 0
         assert torch.allclose(grown.rows(c, 1)[0].double(), want, rtol=0, atol=1e-6), c
-    # class-parallel under the launcher (2 processes embed halves of the same 3,008 samples, 3 shards
+    # class-parallel on 2 ranks (2 processes embed halves of the same 3,008 samples, 3 shards
     # written): the same rows bit for bit (float64 sums, one cast)
-    deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    proc = subprocess.run([deepspeed, "--master_port", str(free_port()), "--num_gpus", "2",
-                           os.path.join("launch", "grow.py"), "--load_dir", str(tmp_path / "c1"), "--out_dir",
-                           str(tmp_path / "c3"), "--deepspeed_config", stage2, "--imprint_samples", "3000",
-                           "--imprint_calibration", "none", "--world_size", "3"], capture_output=True, text=True,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=240, cwd=ROOT, check=False)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    run_ranks(["--load_dir", str(tmp_path / "c1"), "--out_dir", str(tmp_path / "c3"), "--deepspeed_config", stage2,
+               "--imprint_samples", "3000", "--imprint_calibration", "none", "--world_size", "3"], world=2,
+              script=os.path.join(ROOT, "launch", "grow.py"), timeout=240)
     three = ShardRows(str(tmp_path / "c3" / "step6"))
     assert three.world_size == 3 and torch.equal(three.rows(0, 30), grown.rows(0, 30))
     summary = tmp_path / "sum.json"

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from tests.dist_pool import free_port
+from tests.train_procs import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
@@ -38,6 +39,11 @@ def _launch(args, nprocs=1, timeout=300):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     return out
+
+
+def _direct(args, nprocs=1):
+    """The same job with its ranks started directly (tests/train_procs.py): the launcher is tested above."""
+    return run_ranks(args, world=nprocs, timeout=300)
 
 
 def _summary(out):
@@ -102,7 +108,7 @@ def test_two_ranks_checkpoint_and_resume(tmp_path):
     out = _launch(["--deepspeed_config", cfg, "--max_steps", "4", "--save_dir", save], nprocs=2)
     assert _summary(out)[0] == 4 and out.count("done:") == 1
     assert os.path.isfile(os.path.join(save, "step4", "ds_xc_head", "shard_00001_of_00002.pt"))
-    out = _launch(["--deepspeed_config", cfg, "--max_steps", "6", "--save_dir", save, "--resume"], nprocs=2)
+    out = _direct(["--deepspeed_config", cfg, "--max_steps", "6", "--save_dir", save, "--resume"], nprocs=2)
     assert "resumed from" in out and "at step 4" in out
     assert _summary(out)[0] == 2
 
@@ -116,14 +122,14 @@ def test_two_ranks_gradient_compression_section(tmp_path):
     path = tmp_path / "cfg_comp.json"
     path.write_text(json.dumps(cfg))
     save, summary = str(tmp_path / "ckpt"), str(tmp_path / "summary.json")
-    out = _launch(["--deepspeed_config", str(path), "--max_steps", "4", "--save_dir", save,
+    out = _direct(["--deepspeed_config", str(path), "--max_steps", "4", "--save_dir", save,
                    "--summary_json", summary], nprocs=2)
     assert "gradient compression (topk)" in out
     stats = json.loads(open(summary).read())["compression_stats"]
     assert stats["steps"] == 4 and 0 < stats["bytes_sent"] < 0.5 * stats["dense_bytes"]
     files = os.listdir(os.path.join(save, "step4", "ds_xc_compression"))
     assert sorted(files) == ["rank_00000_of_00002.pt", "rank_00001_of_00002.pt"], files
-    out = _launch(["--deepspeed_config", str(path), "--max_steps", "6", "--save_dir", save, "--resume",
+    out = _direct(["--deepspeed_config", str(path), "--max_steps", "6", "--save_dir", save, "--resume",
                    "--summary_json", summary], nprocs=2)
     assert "at step 4" in out and "start from zero" not in out
     assert json.loads(open(summary).read())["compression_stats"]["steps"] == 6

@@ -5,8 +5,8 @@ no-ssh multi-node mode (and a resume under torchrun --nnodes 2).
 * The 2x2 run's training loss and held-out top-1 equal the 4-rank single-host run with the
   same seeds (float tolerance: across hosts the backbone is reduced hierarchically, on one
   host flat, so only the order of the additions differs).
-* Resume across hosts is bitwise: save at step 4, resume to 6 (under torchrun), and every
-  weight of the step-6 checkpoint equals the uninterrupted 2x2 run's.
+* Resume across hosts is bitwise: the 2x2 run's step-4 checkpoint (save_every 2) resumed to 6
+  (under torchrun), and every weight of the step-6 checkpoint equals the uninterrupted 2x2 run's.
 * A checkpoint folder that is not shared (host 1 sees its own empty tmpfs at the same path)
   is refused on every rank with an error naming the folder and the fix.
 * One NIC per rank (netns_hosts.sh -n 2, each rank moved into its namespace by
@@ -29,6 +29,7 @@ import uuid
 import pytest
 
 from tests.dist_pool import free_port
+from tests.train_procs import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
@@ -132,10 +133,11 @@ def test_two_hosts_equal_one_host_and_resume_bitwise(tmp_path):
     import torch
     cfg = _config(tmp_path)
     one, two, parts = (str(tmp_path / n) for n in ("one_host", "two_hosts", "resumed"))
-    _run([os.path.join(BIN, "deepspeed"), "--num_gpus", "4", "--master_port", str(free_port()), TRAIN,
-          "--deepspeed_config", cfg, "--save_dir", one, "--summary_json", one + ".json"])
+    # the one-host reference: 4 local ranks started directly (the launcher is what the 2x2 runs test)
+    run_ranks(["--deepspeed_config", cfg, "--save_dir", one, "--summary_json", one + ".json"], world=4,
+              timeout=400, env={"PYTHONPATH": _env()["PYTHONPATH"]})
     out = _run(_deepspeed_hosts(tmp_path, ["--deepspeed_config", cfg, "--save_dir", two, "--summary_json",
-                                           two + ".json", "--verbose"]))
+                                           two + ".json", "--verbose", "--set", "xc_train.save_every=2"]))
     assert "2 node(s) x 2 rank(s)" in out and "hierarchical reduction" in out  # the layout came from the launcher
     ref, got = _summary(one + ".json"), _summary(two + ".json")
     assert ref["world_size"] == got["world_size"] == 4 and got["steps"] == 6
@@ -145,7 +147,11 @@ def test_two_hosts_equal_one_host_and_resume_bitwise(tmp_path):
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)
 
-    _run(_deepspeed_hosts(tmp_path, ["--deepspeed_config", cfg, "--save_dir", parts, "--max_steps", "4"]))
+    # the step-4 checkpoint the 2x2 run wrote on its way (save_every 2), alone in a folder: resumed to step 6
+    os.makedirs(parts)
+    shutil.copytree(os.path.join(two, "step4"), os.path.join(parts, "step4"))
+    with open(os.path.join(parts, "latest"), "w") as fh:
+        fh.write("step4")
     out = _run(_torchrun_hosts(["--deepspeed_config", cfg, "--save_dir", parts, "--resume", "--summary_json",
                                 parts + ".json"]))
     assert "at step 4" in out

@@ -6,20 +6,17 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 from fractions import Fraction
 
 import pytest
 
 import ds_xc
 from ds_xc.engine import load_raw_config
-from tests.dist_pool import free_port
+from tests.train_procs import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "configs", "*.json")))
 NAMES = [os.path.basename(p) for p in RECIPES]
-DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
 FETCHED = ("glyphs", "corpus")  # data sets fetched from Debian: the smoke runs use synthetic data instead
 
 
@@ -83,12 +80,7 @@ def _run(name: str, tmp_path, world: int, num_classes: int = 2001) -> tuple[dict
             "--set", "train_micro_batch_size_per_gpu=32", "--set", "xc_train.eval_samples=256"]
     if raw.get("xc_train", {}).get("data") in FETCHED:
         args += ["--data", "synthetic"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [DEEPSPEED, "--master_port", str(free_port())] + (["--num_gpus", str(world)] if world > 1 else [])
-    proc = subprocess.run(cmd + [os.path.join(ROOT, "launch", "train.py")] + args, cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    out = run_ranks(args, world=world)  # ranks started directly: test_launch.py tests the launcher
     with open(summary) as fh:
         return json.load(fh), out
 
