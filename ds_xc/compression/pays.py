@@ -17,11 +17,11 @@ from typing import Optional
 
 from ds_xc.compression.config import GradientCompressionConfig
 from ds_xc.cost.compression import (BREAK_EVEN, DEFAULT_LATENCY_S, METHODS, PAYS_AT, Calibration, Verdict,
-                                    verdict)
+                                    break_even_gbit, verdict)
 
 log = logging.getLogger(__name__)
 
-__all__ = ["verdict", "Verdict", "Calibration", "check_config", "paying_density", "PAYS_AT", "BREAK_EVEN"]
+__all__ = ["verdict", "Verdict", "Calibration", "break_even_gbit", "check_config", "paying_density", "PAYS_AT", "BREAK_EVEN"]
 
 
 def paying_density(v: Verdict, target: float = PAYS_AT, *, latency_s: float = DEFAULT_LATENCY_S,
@@ -33,9 +33,9 @@ def paying_density(v: Verdict, target: float = PAYS_AT, *, latency_s: float = DE
     bends it a little: an approximation)."""
     dense_s = v.dense.total_s
     at = verdict(v.numel, v.world_size, v.link_gbit_per_s, v.method, v.density, latency_s=latency_s,
-                 calibration=calibration).compressed.total_s
+                 value_bytes=v.value_bytes, calibration=calibration).compressed.total_s
     floor = verdict(v.numel, v.world_size, v.link_gbit_per_s, v.method, 1e-12, latency_s=latency_s,
-                    calibration=calibration).compressed.total_s
+                    value_bytes=v.value_bytes, calibration=calibration).compressed.total_s
     goal = dense_s / target
     if floor >= goal or v.density <= 0:
         return None
@@ -44,16 +44,24 @@ def paying_density(v: Verdict, target: float = PAYS_AT, *, latency_s: float = DE
 
 
 def _advice(v: Verdict, calibration: Optional[Calibration]) -> str:
-    """What to do about a configuration that does not pay."""
+    """What to do about a configuration that does not pay: method none, a density that would pay,
+    or another method that would (its accuracy is another matter: docs/compression.md, Results)."""
+    others = [verdict(v.numel, v.world_size, v.link_gbit_per_s, m, v.density, value_bytes=v.value_bytes,
+                      calibration=calibration)
+              for m in METHODS if m != v.method]
+    best = max(others, key=lambda o: o.speedup)
+    other = (f"; or method '{best.method}' (predicted {best.speedup:.2f}x at this density)"
+             if best.speedup >= PAYS_AT else "")
     d_pays = paying_density(v, PAYS_AT, calibration=calibration)
     if d_pays is not None:
-        return f"set method 'none' (dense), or a density <= {d_pays:.2g} (predicted speedup >= {PAYS_AT})"
+        return (f"set method 'none' (dense), or a density <= {d_pays:.2g} (predicted speedup >= {PAYS_AT})"
+                + other)
     d_even = paying_density(v, BREAK_EVEN, calibration=calibration)
     if d_even is not None:
         return (f"set method 'none' (dense); no density reaches {PAYS_AT}x, a density <= {d_even:.2g} "
-                "only breaks even")
-    return (f"set method 'none' (dense): no density pays, the selection's compute alone "
-            f"({1e3 * v.compressed.compute_s:.3g} ms) costs more than the dense all-reduce")
+                "only breaks even" + other)
+    return (f"set method 'none' (dense): no density pays, the compressed path's compute alone "
+            f"({1e3 * v.compressed.compute_s:.3g} ms) costs more than the dense all-reduce" + other)
 
 
 def check_config(cfg: GradientCompressionConfig, numel: int, world_size: int, hierarchical: bool = False,

@@ -30,6 +30,14 @@ sync (a 4 x bins-byte all-reduce per tensor every stats_sync_interval steps), th
 per-rank counts (the payload is padded to the largest: measured +4% bytes), the hierarchy, and
 overlap of the reduction with the backward.
 
+Per element and with alpha = 0, the two are equal at the link speed (Gbit/s, c in ns)
+
+    B* = (P-1) (64 / P - 8 (2 + v) d) / c_method           topk, bayes_prior
+    B* = 2 (P-1) / P (32 - 8 v (1 - e^-d)) / c_method       randomk
+
+(:func:`break_even_gbit`): compression pays below B*, not above; N drops out, so the model size
+matters only through the latency terms and the header.
+
 Verdict: speedup = t_dense / t_compressed; ``pays`` at >= :data:`PAYS_AT` (1.25), ``does not pay``
 below :data:`BREAK_EVEN` (1.0), ``marginal`` between.
 """
@@ -42,7 +50,7 @@ from typing import Optional
 from ds_xc.cost.comm import Collective, Link, collective_time, wire_bytes
 
 __all__ = ["Calibration", "DEFAULT_CALIBRATION", "ReductionTime", "Verdict", "reduction_collectives",
-           "reduction_time", "verdict", "METHODS", "PAYS_AT", "BREAK_EVEN", "DEFAULT_LATENCY_S", "BLOCK"]
+           "reduction_time", "verdict", "break_even_gbit", "METHODS", "PAYS_AT", "BREAK_EVEN", "DEFAULT_LATENCY_S", "BLOCK"]
 
 METHODS = ("topk", "randomk", "bayes_prior")
 PAYS_AT = 1.25  # speedup from which compression "pays"
@@ -56,11 +64,14 @@ _INDEX_BYTES = 2  # a 16-bit offset inside its block
 class Calibration:
     """Compute per element in nanoseconds (fp32 gradient, 1 thread per rank).
 
-    Defaults: the 2-core CPU machine of benchmarks/results/compression_pays_calibration.md and
-    compression_netns.md. ``dense_ns``: the dense path beyond its transfer (10^7 elements over a
-    1 Gbit/s veth: 404.6 ms measured - 320 ms of transfer = 8.5 ns); ``<method>_ns``: what the
-    compressed path costs per element beyond ``dense_ns`` (the selection), from 2-rank loopback
-    runs at 10^6 and 10^7 elements."""
+    Defaults: the 2-core CPU machine of benchmarks/results/compression_pays_calibration.md, fitted
+    to the reductions of 10^7 elements measured over tc-shaped 1 Gbit/s and 100 Mbit/s links
+    (compression_netns*.md) as (t_measured - the model's transfer) / N. ``dense_ns``: the dense
+    path beyond its transfer (1 Gbit/s: 404.6 ms - 320.1 ms = 8.45 ns); ``<method>_ns``: what the
+    compressed path costs per element beyond ``dense_ns``, the mean over both links (bayes_prior
+    12.2, topk 35.5; randomk -0.6, within the noise of zero: 0.5 keeps a cost for its draws). The
+    loopback runs of the same file scatter by up to 2x around these on the shared cores. For
+    another machine (a GPU selects far faster) pass your own."""
     dense_ns: float = 8.5
     topk_ns: float = 35.0
     randomk_ns: float = 0.5
@@ -103,6 +114,7 @@ class Verdict:
     density: float
     dense: ReductionTime
     compressed: ReductionTime
+    value_bytes: int = 4
 
     @property
     def dense_ms(self) -> float:
@@ -184,4 +196,21 @@ def verdict(numel: int, world_size: int, link_gbit_per_s: float, method: str = "
     link = Link.gbit(float(link_gbit_per_s), latency_s)
     dense = reduction_time(numel, world_size, link, "none", calibration=calibration)
     comp = reduction_time(numel, world_size, link, method, density, value_bytes, calibration)
-    return Verdict(numel, world_size, float(link_gbit_per_s), method, float(density), dense, comp)
+    return Verdict(numel, world_size, float(link_gbit_per_s), method, float(density), dense, comp, value_bytes)
+
+
+def break_even_gbit(world_size: int, method: str, density: float = 0.01, value_bytes: int = 4,
+                    calibration: Optional[Calibration] = None) -> float:
+    """The link speed (Gbit/s) at which the compressed reduction takes as long as the dense one,
+    for large N and zero latency (module docstring); inf when the method's compute is 0."""
+    cal = DEFAULT_CALIBRATION if calibration is None else calibration
+    _check_method(method)
+    p = world_size
+    if method == "randomk":
+        saved_bits = 2 * (p - 1) / p * (32 - 8 * value_bytes * (1 - math.exp(-density)))
+    else:
+        saved_bits = (p - 1) * (64 / p - 8 * (_INDEX_BYTES + value_bytes) * density)
+    c = cal.method_ns(method)
+    if c == 0:
+        return math.inf if saved_bits > 0 else 0.0
+    return max(saved_bits, 0.0) / c
