@@ -90,6 +90,11 @@ class GradientCompressionConfig(Section):
                                        "optimizer without momentum. 0 = off.")
     hierarchy: HierarchyConfig = Field(default_factory=HierarchyConfig, description="Node groups.")
     seed: int = Field(0, ge=0, lt=2**62, description="Seed of the random-k indices and the sampling.")
+    link_gbit_per_s: float = Field(0.0, ge=0.0, allow_inf_nan=False, description="Speed of the slowest "
+                                   "link between the ranks in Gbit/s, for the check whether compression pays "
+                                   "(ds_xc.compression.pays): when > 0 and the cost model predicts the compressed "
+                                   "reduction slower than the dense all-reduce, a WARNING is logged at start. "
+                                   "0 = unknown: the check logs at DEBUG only.")
 
     @model_validator(mode="after")
     def _check(self):

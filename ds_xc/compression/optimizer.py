@@ -31,6 +31,7 @@ import torch.distributed as dist
 from ds_xc.compression.compressors import allocate_densities, build_compressor
 from ds_xc.compression.config import GradientCompressionConfig, parse_compression
 from ds_xc.compression.layout import plan_layout
+from ds_xc.compression.pays import check_config
 from ds_xc.compression.state import CompressionState
 from ds_xc.compression.steps import ReductionSteps
 from ds_xc.compression.transport import (DTYPES, NodeGroups, WireCounter, all_gather_slices, allreduce_bytes,
@@ -127,6 +128,7 @@ class CompressedOptimizer(CompressionState, ReductionSteps, torch.optim.Optimize
                  "%d ranks%s", cfg.method, cfg.density, len(self.layout.sparse), len(self._params),
                  self.layout.numel, self.world_size,
                  f", {self.nodes.num_nodes} nodes x {self.nodes.local_size}" if self.nodes is not None else "")
+        check_config(cfg, self.layout.numel, self.world_size, self.nodes is not None)  # warns if it does not pay
 
     # ------------------------------------------------------------------ plumbing
     def __getattr__(self, name):
