@@ -21,7 +21,7 @@ def _cuda_available() -> bool:
 if not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.dist_pool import DistPool  # noqa: E402
+from tests.dist_pool import DistPool, close_all  # noqa: E402
 
 _POOLS: dict = {}
 
@@ -36,6 +36,5 @@ def get_pool(world_size: int) -> DistPool:
 def pools():
     """Call with a world size: ``pools(2)`` returns a running 2-rank pool."""
     yield get_pool
-    for pool in _POOLS.values():
-        pool.close()
+    close_all(list(_POOLS.values()))
     _POOLS.clear()

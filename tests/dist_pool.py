@@ -78,12 +78,24 @@ class DistPool:
         return out
 
     def close(self, force: bool = False) -> None:
-        if not force:
-            for q in self.tasks:
+        close_all([self], force=force)
+
+
+def close_all(pools: list, force: bool = False, timeout: float = 10.0) -> None:
+    """Stop every pool's workers together: all are told to stop first, then all are joined
+    against one deadline and the stragglers killed (a worker left inside a collective by a
+    test that failed a rank on purpose would otherwise hold each pool's join in turn)."""
+    import time
+    if not force:
+        for pool in pools:
+            for q in pool.tasks:
                 q.put(None)
-            for p in self.procs:
-                p.join(timeout=20)
-        for p in self.procs:
+        deadline = time.monotonic() + timeout
+        for pool in pools:
+            for p in pool.procs:
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for pool in pools:
+        for p in pool.procs:
             if p.is_alive():
                 p.kill()
 

@@ -13,7 +13,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = ["--steps", "6"]
 
 
+_DONE: dict = {}  # (script, nproc, args) -> result: the dense DDP run serves both tests
+
+
 def _run(tmp_path, script, nproc, *args):
+    key = (script, nproc, args)
+    if key not in _DONE:
+        _DONE[key] = _launch(tmp_path, script, nproc, *args)
+    return _DONE[key]
+
+
+def _launch(tmp_path, script, nproc, *args):
     out = tmp_path / f"{script}_{nproc}_{'_'.join(args) or 'dense'}.json"
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}

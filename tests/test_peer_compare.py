@@ -17,7 +17,7 @@ import peer_compare  # noqa: E402
 
 @pytest.mark.slow
 def test_smoke_run_compares_like_with_like(capsys):
-    rows = peer_compare.main(["--smoke"])
+    rows = peer_compare.main(["--smoke", "--batch", "128", "--dim", "32"])
     report = capsys.readouterr().out
     by = {(r["world"], r["variant"]): r for r in rows}
     assert set(by) == {(w, v) for w in (1, 2) for v in peer_compare.VARIANTS}

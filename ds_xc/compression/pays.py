@@ -75,6 +75,9 @@ def check_config(cfg: GradientCompressionConfig, numel: int, world_size: int, hi
         log.debug("%s is 0 (unknown): not checking whether compression pays (set it to the slowest link's "
                   "speed to be warned when it does not)", field)
         return None
+    if world_size < 2:
+        log.debug("compression pays check: %d rank, nothing is communicated", world_size)
+        return None
     if cfg.method not in METHODS or hierarchical:
         log.debug("compression pays check: no cost model for method %r%s", cfg.method,
                   " with a hierarchy" if hierarchical else "")
