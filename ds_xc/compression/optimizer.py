@@ -31,6 +31,7 @@ import torch.distributed as dist
 from ds_xc.compression.compressors import allocate_densities, build_compressor
 from ds_xc.compression.config import GradientCompressionConfig, parse_compression
 from ds_xc.compression.layout import plan_layout
+from ds_xc.compression.seeds import mix_seed, seeded_generator
 from ds_xc.compression.state import CompressionState
 from ds_xc.compression.steps import ReductionSteps
 from ds_xc.compression.transport import (DTYPES, NodeGroups, WireCounter, all_gather_slices, allreduce_bytes,
@@ -42,23 +43,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["CompressedOptimizer"]
 
-_MASK64 = (1 << 64) - 1
 _RESYNC = 1.5  # bayes_prior: a global density off by this factor triggers a statistics sync
-
-
-def _mix(*values: int) -> int:
-    """A 63-bit seed from a tuple of ints (splitmix64 rounds), the same on every platform."""
-    h = 0x9E3779B97F4A7C15
-    for v in values:
-        z = (h ^ (v & _MASK64)) + 0x9E3779B97F4A7C15 & _MASK64
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EB & _MASK64
-        h = z ^ (z >> 31)
-    return h >> 1
-
-
-def _generator(seed: int, device: torch.device) -> torch.Generator:
-    return torch.Generator(device=device).manual_seed(seed)
 
 
 class CompressedOptimizer(CompressionState, ReductionSteps, torch.optim.Optimizer):
@@ -300,8 +285,10 @@ class CompressedOptimizer(CompressionState, ReductionSteps, torch.optim.Optimize
         parts = []
         for seg in (self.layout.segments if segments is None else segments):
             sv = v[seg.start: seg.end]
-            gen = _generator(_mix(seed, self._step, seg.index, self._seed_rank), v.device) if comp.uses_stats else None
-            shared = _generator(_mix(seed, self._step, seg.index, -1), v.device) if comp.shared_indices else None
+            gen = (seeded_generator(mix_seed(seed, self._step, seg.index, self._seed_rank), v.device)
+                   if comp.uses_stats else None)
+            shared = (seeded_generator(mix_seed(seed, self._step, seg.index, -1), v.device)
+                      if comp.shared_indices else None)
             tstate = self.state[self._params[seg.index]]
             idx = comp.select(sv, tstate, gen, shared)
             comp.after_select(tstate, idx.numel(), seg.numel)
@@ -372,8 +359,9 @@ class CompressedOptimizer(CompressionState, ReductionSteps, torch.optim.Optimize
         if is_distributed(comm):
             dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=comm)
         tops = [math.ceil(math.log2(m)) if m > 0 else -math.inf for m in maxes.tolist()]
-        hists = torch.stack([comp.local_histogram(v[s.start: s.end], top, _generator(
-            _mix(self.config.seed, self._step, -2, s.index, self._seed_rank), v.device)) for s, top in zip(segs, tops)]
+        hists = torch.stack([comp.local_histogram(v[s.start: s.end], top, seeded_generator(
+            mix_seed(self.config.seed, self._step, -2, s.index, self._seed_rank), v.device))
+            for s, top in zip(segs, tops)]
             or [torch.zeros(self.config.bins, device=v.device)])  # (S, B)
         if is_distributed(comm):
             dist.all_reduce(hists, op=dist.ReduceOp.SUM, group=comm)
