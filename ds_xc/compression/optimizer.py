@@ -12,7 +12,9 @@ as one flat fp32 bucket:
     mean over ranks of v[S]           (sparse all-gather, or a values all-reduce for random-k)
     e = v - sent; u[S] = 0            (what was not sent waits for the next step)
 
-Small tensors, the first ``warmup_steps`` steps and ``method: none`` use a dense
+``method: powersgd`` replaces the selection and exchange by a low-rank approximation
+per tensor (ds_xc/compression/powersgd.py: M = e + x, P = M Q and Q = M^T P all-reduced,
+e = M - P Q^T). Small tensors, the first ``warmup_steps`` steps and ``method: none`` use a dense
 all-reduce. Every rank rebuilds the mean from the same gathered data in the same
 order, so replicas stay bit-identical. The residuals, momentum, thresholds and the
 step counter (which seeds all random draws) live in ``self.state`` and round-trip
@@ -29,8 +31,9 @@ import torch
 import torch.distributed as dist
 
 from ds_xc.compression.compressors import allocate_densities, build_compressor
-from ds_xc.compression.config import GradientCompressionConfig, parse_compression
+from ds_xc.compression.config import COMPRESSION_SECTION, ConfigError, GradientCompressionConfig, parse_compression
 from ds_xc.compression.layout import plan_layout
+from ds_xc.compression.powersgd import LowRankSteps
 from ds_xc.compression.seeds import mix_seed, seeded_generator
 from ds_xc.compression.state import CompressionState
 from ds_xc.compression.steps import ReductionSteps
@@ -46,7 +49,7 @@ __all__ = ["CompressedOptimizer"]
 _RESYNC = 1.5  # bayes_prior: a global density off by this factor triggers a statistics sync
 
 
-class CompressedOptimizer(CompressionState, ReductionSteps, torch.optim.Optimizer):
+class CompressedOptimizer(CompressionState, ReductionSteps, LowRankSteps, torch.optim.Optimizer):
     """Wraps ``optimizer`` (replicated over ``group``): compressed gradient mean, then its step.
 
     Args:
@@ -92,9 +95,13 @@ class CompressedOptimizer(CompressionState, ReductionSteps, torch.optim.Optimize
             self.nodes = build_node_groups(cfg.hierarchy.ranks_per_node, group)
         self.comm_group = self.nodes.inter if self.nodes is not None else group
         self.compressor = build_compressor(cfg) if cfg.enabled else None
+        if self.nodes is not None and cfg.method == "powersgd":
+            raise ConfigError(f"{COMPRESSION_SECTION}.method='powersgd' with node_groups (a hierarchy of "
+                              f"{self.nodes.local_size} ranks per node): not supported; allowed: node_groups=None")
         local = (self.nodes.local_rank, self.nodes.local_size) if self.nodes is not None else (0, 1)
         self.layout = plan_layout(self._params, cfg.min_numel, cfg.enabled, *local,
-                                  per_tensor=cfg.granularity == "tensor")
+                                  per_tensor=cfg.granularity == "tensor",
+                                  min_dim=self.compressor.min_dim if self.compressor is not None else 1)
         self._value_dtype = DTYPES[cfg.value_dtype]
         self._buffers = self._make_buffers()
         self._work: dict = {}  # reused scratch buffers (see _scratch)
@@ -194,7 +201,8 @@ class CompressedOptimizer(CompressionState, ReductionSteps, torch.optim.Optimize
             dense_allreduce_mean_(grads, self.group, self.counter)
             return self.close_step(before)
         dense_allreduce_mean_([grads[i] for i in self.layout.dense], self.group, self.counter)
-        self.close_step(before, self._reduce_bucket(grads) if self.layout.numel else None)
+        reduce = self._reduce_low_rank if self.compressor.low_rank else self._reduce_bucket  # powersgd.py
+        self.close_step(before, reduce(grads) if self.layout.numel else None)
 
     def _reduce_bucket(self, grads: list[torch.Tensor]) -> tuple:
         """The compressed exchange of the flat bucket; returns (sent, global_sent, comm) for close_step."""

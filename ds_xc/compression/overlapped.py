@@ -15,7 +15,7 @@ Selection, statistics and random draws are per tensor (segment) and seeded by (s
 tensor, rank), and the means are element-wise, so the gradients, residuals and
 thresholds equal those of ``reduce_gradients()`` (tests/test_overlap_compression.py).
 Not supported: the node hierarchy (its intra-node reduce-scatter needs the whole
-bucket); ``granularity: bucket`` (one threshold over all tensors) runs as a single bucket.
+bucket) and ``method: powersgd`` (refused: its two all-reduces span every tensor); ``granularity: bucket`` (one threshold over all tensors) runs as a single bucket.
 """
 from __future__ import annotations
 
@@ -36,6 +36,11 @@ class OverlappedCompressedReducer(BucketedGradReducer):
     """Buckets of a CompressedOptimizer's parameters, compressed and exchanged from backward hooks."""
 
     def __init__(self, opt, timeline=None, bucket_bytes: int = 4 << 20, comm_group=None):
+        if opt.compressor is not None and opt.compressor.low_rank:
+            raise ConfigError(f"{HEAD_SECTION}.overlap.overlap_grad_reduce=true with {COMPRESSION_SECTION}.method="
+                              f"{opt.config.method!r}: the low-rank reduction all-reduces every tensor's P before "
+                              "any Q, so it cannot run bucket by bucket from backward hooks; set "
+                              "overlap_grad_reduce=false or choose another method")
         if opt.nodes is not None:
             raise ConfigError(f"{HEAD_SECTION}.overlap.overlap_grad_reduce=true with "
                               f"{COMPRESSION_SECTION}.hierarchy.ranks_per_node={opt.nodes.local_size}: the "
