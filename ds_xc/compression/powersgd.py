@@ -37,11 +37,11 @@ from ds_xc.compression.transport import values_allreduce_mean
 from ds_xc.parallel.groups import group_size
 
 __all__ = ["matrix_view", "effective_rank", "orthonormalise_", "start_q", "low_rank_round", "wire_floats",
-           "LowRankSteps", "Q_KEY", "EPS"]
+           "LowRankSteps", "Q_KEY", "Q_STREAM", "EPS"]
 
 Q_KEY = "powersgd_q"  # optimizer.state[param] key of the warm-start Q (m, r)
 EPS = 1e-30  # norm guard of the orthonormalisation: a zero column stays zero instead of becoming NaN
-_Q_STREAM = -3  # the shared draws of Q: (seed, step, tensor, -3); other streams use -1, -2 and ranks >= 0
+Q_STREAM = -3  # the shared draws of Q: (seed, step, tensor, -3); other streams use -1, -2 and ranks >= 0
 
 
 def matrix_view(t: torch.Tensor) -> torch.Tensor:
@@ -154,7 +154,7 @@ class LowRankSteps:
             else:
                 m = matrix_view(g.float())  # (n, m); the gradient itself when fp32 (read before written)
             shape = (m.shape[1], effective_rank(p.shape, rank))
-            gen = seeded_generator(mix_seed(cfg.seed, self._step, i, _Q_STREAM), p.device)
+            gen = seeded_generator(mix_seed(cfg.seed, self._step, i, Q_STREAM), p.device)
             qs.append(start_q(tstate.get(Q_KEY) if warm else None, shape, gen, p.device))
             ms.append(m)
 
