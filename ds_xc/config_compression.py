@@ -61,7 +61,8 @@ class GradientCompressionConfig(Section):
         "(values-only all-reduce); bayes_prior: sampling from the global |v| distribution; "
         "powersgd: a low-rank approximation per tensor (one power iteration, see powersgd.rank).")
     density: float = Field(0.01, gt=0.0, le=1.0, description="Fraction of each compressed tensor's "
-                           "elements sent per step (target; exact for topk/randomk, expected for bayes_prior).")
+                           "elements sent per step (target; exact for topk/randomk, expected for bayes_prior; not "
+                           "used by powersgd, whose traffic powersgd.rank sets).")
     error_feedback: bool = Field(True, description="Keep what was not sent (v - sent) and add it to "
                                  "the next step's gradient.")
     warmup_steps: int = Field(0, ge=0, description="Optimizer steps reduced densely before compression starts.")
@@ -89,7 +90,7 @@ class GradientCompressionConfig(Section):
         "and every nonzero waits about as long in the residual; numel: each tensor sends density x its "
         "size; auto: nonzero for the magnitude-aware methods (topk, bayes_prior), numel for randomk "
         "(whose uniform draws reach every element equally often, zero or not). nonzero and numel agree "
-        "when no gradient element is exactly zero.")
+        "when no gradient element is exactly zero. Not used by powersgd.")
     value_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Dtype of the values on the wire (indices travel as 16-bit offsets "
         "inside 65536-element blocks plus one int32 count per block). The part lost by rounding "
