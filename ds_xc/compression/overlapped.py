@@ -36,16 +36,16 @@ class OverlappedCompressedReducer(BucketedGradReducer):
     """Buckets of a CompressedOptimizer's parameters, compressed and exchanged from backward hooks."""
 
     def __init__(self, opt, timeline=None, bucket_bytes: int = 4 << 20, comm_group=None):
-        if opt.compressor is not None and opt.compressor.low_rank:
-            raise ConfigError(f"{HEAD_SECTION}.overlap.overlap_grad_reduce=true with {COMPRESSION_SECTION}.method="
-                              f"{opt.config.method!r}: the low-rank reduction all-reduces every tensor's P before "
-                              "any Q, so it cannot run bucket by bucket from backward hooks; set "
-                              "overlap_grad_reduce=false or choose another method")
         if opt.nodes is not None:
             raise ConfigError(f"{HEAD_SECTION}.overlap.overlap_grad_reduce=true with "
                               f"{COMPRESSION_SECTION}.hierarchy.ranks_per_node={opt.nodes.local_size}: the "
                               "hierarchical reduction needs the whole bucket at once; set overlap_grad_reduce=false "
                               "or ranks_per_node=1")
+        if opt.compressor is not None and opt.compressor.low_rank:
+            raise ConfigError(f"{HEAD_SECTION}.overlap.overlap_grad_reduce=true with {COMPRESSION_SECTION}.method="
+                              f"{opt.config.method!r}: the low-rank reduction all-reduces every tensor's P before "
+                              "any Q, so it cannot run bucket by bucket from backward hooks; set "
+                              "overlap_grad_reduce=false, or method 'none', 'topk', 'randomk' or 'bayes_prior'")
         lay = opt.layout
         one = opt.config.granularity != "tensor" and lay.sparse  # one threshold over all: one bucket
         super().__init__(opt.params, opt.comm_group, bucket_bytes, timeline, comm_group,

@@ -36,7 +36,7 @@ from ds_xc.compression.seeds import mix_seed, seeded_generator
 from ds_xc.compression.transport import values_allreduce_mean
 from ds_xc.parallel.groups import group_size
 
-__all__ = ["matrix_view", "effective_rank", "orthonormalise_", "start_q", "low_rank_round", "wire_floats",
+__all__ = ["matrix_view", "matrix_shape", "effective_rank", "orthonormalise_", "start_q", "low_rank_round", "wire_floats",
            "LowRankSteps", "Q_KEY", "Q_STREAM", "EPS"]
 
 Q_KEY = "powersgd_q"  # optimizer.state[param] key of the warm-start Q (m, r)
@@ -49,25 +49,22 @@ def matrix_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], -1)
 
 
-def effective_rank(shape, rank: int) -> int:
-    """r = min(rank, n, m) of a tensor of ``shape`` viewed as an (n, m) matrix."""
-    n = int(shape[0])
+def matrix_shape(shape) -> tuple[int, int]:
+    """(n, m) of the matrix view of a tensor of ``shape`` (two or more dimensions)."""
     m = 1
     for d in shape[1:]:
         m *= int(d)
-    return max(1, min(rank, n, m))
+    return int(shape[0]), m
+
+
+def effective_rank(shape, rank: int) -> int:
+    """r = min(rank, n, m) of a tensor of ``shape`` viewed as an (n, m) matrix."""
+    return max(1, min(rank, *matrix_shape(shape)))
 
 
 def wire_floats(shapes, rank: int) -> int:
     """Floats one rank contributes per step: sum over the tensors of (n + m) r (P and Q together)."""
-    total = 0
-    for shape in shapes:
-        n = int(shape[0])
-        m = 1
-        for d in shape[1:]:
-            m *= int(d)
-        total += (n + m) * effective_rank(shape, rank)
-    return total
+    return sum(sum(matrix_shape(s)) * effective_rank(s, rank) for s in shapes)
 
 
 def orthonormalise_(p: torch.Tensor, eps: float = EPS) -> torch.Tensor:
