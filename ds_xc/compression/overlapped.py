@@ -15,7 +15,8 @@ Selection, statistics and random draws are per tensor (segment) and seeded by (s
 tensor, rank), and the means are element-wise, so the gradients, residuals and
 thresholds equal those of ``reduce_gradients()`` (tests/test_overlap_compression.py).
 Not supported: the node hierarchy (its intra-node reduce-scatter needs the whole
-bucket) and ``method: powersgd`` (refused: its two all-reduces span every tensor); ``granularity: bucket`` (one threshold over all tensors) runs as a single bucket.
+bucket) and ``method: powersgd`` (refused: its two all-reduces span every tensor);
+``granularity: bucket`` (one threshold over all tensors) runs as a single bucket.
 """
 from __future__ import annotations
 

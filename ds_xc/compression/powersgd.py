@@ -36,8 +36,8 @@ from ds_xc.compression.seeds import mix_seed, seeded_generator
 from ds_xc.compression.transport import values_allreduce_mean
 from ds_xc.parallel.groups import group_size
 
-__all__ = ["matrix_view", "matrix_shape", "effective_rank", "orthonormalise_", "start_q", "low_rank_round", "wire_floats",
-           "LowRankSteps", "Q_KEY", "Q_STREAM", "EPS"]
+__all__ = ["matrix_view", "matrix_shape", "effective_rank", "orthonormalise_", "start_q", "low_rank_round",
+           "wire_floats", "LowRankSteps", "Q_KEY", "Q_STREAM", "EPS"]
 
 Q_KEY = "powersgd_q"  # optimizer.state[param] key of the warm-start Q (m, r)
 EPS = 1e-30  # norm guard of the orthonormalisation: a zero column stays zero instead of becoming NaN
