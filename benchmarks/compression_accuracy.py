@@ -4,7 +4,8 @@ For each task (a DeepSpeed JSON of configs/) and each variant, two ranks of
 benchmarks/compression_train.py run on 127.0.0.1 (gloo, 1 thread each) for the same
 number of steps, then evaluate held-out top-1/top-5 over all classes. Variants: ``dense``
 (DeepSpeed's own all-reduce), and top-k, random-k and bayes_prior at the same density
-with error feedback (plus any ``--extra`` variants). Bytes are per rank and per step as
+with error feedback (plus any ``--extra`` variants; ``powersgd``: rank 4, about density
+0.01's bytes on the text task, see VARIANTS). Bytes are per rank and per step as
 the ring algorithms move them (what the wrapper counts; dense: 2 (P-1)/P x the fp32
 gradient bytes, which is what DeepSpeed's all-reduce moves).
 
@@ -42,6 +43,11 @@ VARIANTS = {
     "bayes_prior bucket": ("bayes_prior", {"granularity": "bucket"}),
     "bayes_prior bucket k=8 a=0": ("bayes_prior", {"granularity": "bucket", "exploit_power": 8.0,
                                                    "prior": {"strength": 0.0}}),
+    # PowerSGD sends 4 r (n + m) bytes per (n, m) matrix, top-k 6 bytes per kept element (16-bit offset,
+    # fp32 value); on 2 ranks the all-reduce and the all-gather move the same multiple of those, so the
+    # rank that spends density d's bytes is r = 1.5 d sum(n m) / sum(n + m): 3.66 -> 4 for the text task
+    # (embedding 20001 x 256, MLP 256 x 1024, 256 x 256, 128 x 256) at d = 0.01 (--density does not apply)
+    "powersgd": ("powersgd", {"powersgd": {"rank": 4}}),
 }
 
 

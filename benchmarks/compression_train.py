@@ -26,7 +26,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import finish_worker  # noqa: E402
 
-METHODS = ("dense", "none", "topk", "randomk", "bayes_prior")
+METHODS = ("dense", "none", "topk", "randomk", "bayes_prior", "powersgd")
 
 
 def parse_args(argv=None):

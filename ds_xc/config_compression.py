@@ -14,7 +14,7 @@ from pydantic import Field, model_validator
 
 from ds_xc.config_base import COMPRESSION_SECTION, ConfigError, Section, validate_section
 
-__all__ = ["COMPRESSION_SECTION", "PriorConfig", "HierarchyConfig", "GradientCompressionConfig",
+__all__ = ["COMPRESSION_SECTION", "PriorConfig", "HierarchyConfig", "PowerSGDConfig", "GradientCompressionConfig",
            "parse_compression", "ConfigError"]
 
 
@@ -45,14 +45,24 @@ class HierarchyConfig(Section):
         "local rank of the other nodes, all-gather inside the node. Must divide the group size.")
 
 
+class PowerSGDConfig(Section):
+    """method powersgd: each compressed tensor's mean is approximated by a rank-r product P Q^T."""
+    rank: int = Field(4, ge=1, le=1 << 16, description="Rank r of the approximation (capped per tensor at "
+                      "min(n, m) of its (n, m) matrix view); each step all-reduces (n + m) r floats per tensor.")
+    warm_start: bool = Field(True, description="Start each step's power iteration from the previous step's Q "
+                             "(kept in the optimizer state, checkpointed); false: a fresh random Q every step.")
+
+
 class GradientCompressionConfig(Section):
     """Section ``gradient_compression``: compressed data-parallel reduction of the backbone gradients."""
-    method: Literal["none", "topk", "randomk", "bayes_prior"] = Field(
+    method: Literal["none", "topk", "randomk", "bayes_prior", "powersgd"] = Field(
         "bayes_prior", description="none: dense all-reduce; topk: the k largest |v| per tensor "
         "(torch.topk); randomk: k random elements per tensor from a seed shared by the ranks "
-        "(values-only all-reduce); bayes_prior: sampling from the global |v| distribution.")
+        "(values-only all-reduce); bayes_prior: sampling from the global |v| distribution; "
+        "powersgd: a low-rank approximation per tensor (one power iteration, see powersgd.rank).")
     density: float = Field(0.01, gt=0.0, le=1.0, description="Fraction of each compressed tensor's "
-                           "elements sent per step (target; exact for topk/randomk, expected for bayes_prior).")
+                           "elements sent per step (target; exact for topk/randomk, expected for bayes_prior; not "
+                           "used by powersgd, whose traffic powersgd.rank sets).")
     error_feedback: bool = Field(True, description="Keep what was not sent (v - sent) and add it to "
                                  "the next step's gradient.")
     warmup_steps: int = Field(0, ge=0, description="Optimizer steps reduced densely before compression starts.")
@@ -80,7 +90,7 @@ class GradientCompressionConfig(Section):
         "and every nonzero waits about as long in the residual; numel: each tensor sends density x its "
         "size; auto: nonzero for the magnitude-aware methods (topk, bayes_prior), numel for randomk "
         "(whose uniform draws reach every element equally often, zero or not). nonzero and numel agree "
-        "when no gradient element is exactly zero.")
+        "when no gradient element is exactly zero. Not used by powersgd.")
     value_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Dtype of the values on the wire (indices travel as 16-bit offsets "
         "inside 65536-element blocks plus one int32 count per block). The part lost by rounding "
@@ -89,6 +99,8 @@ class GradientCompressionConfig(Section):
                                        "u = m u + g locally, compress u, zero u where sent. Use an inner "
                                        "optimizer without momentum. 0 = off.")
     hierarchy: HierarchyConfig = Field(default_factory=HierarchyConfig, description="Node groups.")
+    powersgd: PowerSGDConfig = Field(default_factory=PowerSGDConfig, description="method powersgd: rank and "
+                                     "warm start (density and allocation do not apply to it).")
     seed: int = Field(0, ge=0, lt=2**62, description="Seed of the random-k indices and the sampling.")
     link_gbit_per_s: float = Field(0.0, ge=0.0, allow_inf_nan=False, description="Speed of the slowest "
                                    "link between the ranks in Gbit/s, for the check whether compression pays "
@@ -101,11 +113,32 @@ class GradientCompressionConfig(Section):
         if self.momentum_correction > 0.0 and not self.error_feedback:
             raise ValueError(f"momentum_correction={self.momentum_correction} needs error_feedback=true "
                              "(momentum correction accumulates what was not sent)")
+        if self.method == "powersgd":
+            self._check_powersgd()
         return self
+
+    def _check_powersgd(self) -> None:
+        """The settings of the element-selecting methods that have no meaning for a low-rank method."""
+        where = "with method='powersgd'"
+        if self.granularity != "tensor":
+            raise ValueError(f"granularity={self.granularity!r} {where}: each tensor is its own matrix; "
+                             "allowed: 'tensor'")
+        if self.hierarchy.ranks_per_node > 1:
+            raise ValueError(f"hierarchy.ranks_per_node={self.hierarchy.ranks_per_node} {where}: the node slices "
+                             "of the flat bucket are not matrices; allowed: 0 or 1")
+        if self.momentum_correction > 0.0:
+            raise ValueError(f"momentum_correction={self.momentum_correction} {where}: DGC momentum zeroes the "
+                             "sent elements, and a low-rank approximation sends none exactly; allowed: 0.0")
+        if self.value_dtype != "float32":
+            raise ValueError(f"value_dtype={self.value_dtype!r} {where}: P and Q travel in float32 (the "
+                             "orthonormalisation needs it); allowed: 'float32'")
 
     @property
     def resolved_allocation(self) -> str:
-        """``allocation`` with ``auto`` resolved: numel for randomk, nonzero otherwise."""
+        """``allocation`` with ``auto`` resolved: numel for randomk, nonzero otherwise (powersgd: numel,
+        whatever is set: it sends a rank, not a share of the elements)."""
+        if self.method == "powersgd":
+            return "numel"
         if self.allocation != "auto":
             return self.allocation
         return "numel" if self.method == "randomk" else "nonzero"

@@ -78,6 +78,7 @@ def render() -> str:
     out += model_table(ccfg.GradientCompressionConfig, "gradient_compression")
     out += model_table(ccfg.PriorConfig, "gradient_compression.prior")
     out += model_table(ccfg.HierarchyConfig, "gradient_compression.hierarchy")
+    out += model_table(ccfg.PowerSGDConfig, "gradient_compression.powersgd")
     from ds_xc.optim import config as ocfg
     out += ["## optimizer (types Lamb and LARS)", "",
             "DeepSpeed's own `optimizer` section; for `\"type\": \"Lamb\"` and `\"type\": \"LARS\"` ds_xc builds the",

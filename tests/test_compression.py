@@ -29,7 +29,7 @@ def test_config_defaults_and_registry():
     assert c.method == "bayes_prior" and c.density == 0.01 and c.error_feedback and c.enabled
     assert c.prior.form == "uniform" and c.hierarchy.ranks_per_node == 0
     assert not parse_compression({"method": "none"}).enabled
-    assert set(COMPRESSORS) == set(METHODS)
+    assert set(COMPRESSORS) == set(METHODS) | {"powersgd"}  # powersgd: tests/test_powersgd.py
 
 
 @pytest.mark.parametrize("section,key,words", [

@@ -9,7 +9,9 @@ tensor, ``shared_gen`` one seeded identically on every rank.
 A density of 1.0 selects every element, for every method (the transport still runs,
 so that case is an end-to-end check of the sparse path).
 
-Registry: :data:`COMPRESSORS` maps the config's ``method`` to a class.
+Registry: :data:`COMPRESSORS` maps the config's ``method`` to a class. ``powersgd`` is a
+low-rank method, not a selection: its entry (:class:`PowerSGD`) only tells the reducers so
+(``low_rank``, ``min_dim``) and its ``select()`` raises; the maths is ds_xc/compression/powersgd.py.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import torch
 from ds_xc.compression import bayes
 from ds_xc.compression.config import GradientCompressionConfig
 
-__all__ = ["Compressor", "TopK", "RandomK", "BayesPrior", "COMPRESSORS", "build_compressor", "num_keep",
+__all__ = ["Compressor", "TopK", "RandomK", "BayesPrior", "PowerSGD", "COMPRESSORS", "build_compressor", "num_keep",
            "allocate_densities"]
 
 
@@ -72,6 +74,8 @@ class Compressor:
     name: ClassVar[str] = ""
     shared_indices: ClassVar[bool] = False  # same indices on every rank: a values-only all-reduce suffices
     uses_stats: ClassVar[bool] = False  # needs the periodic all-reduce of |v| statistics
+    low_rank: ClassVar[bool] = False  # reduced by a low-rank approximation, not by selecting elements
+    min_dim: ClassVar[int] = 1  # tensors of fewer dimensions are reduced densely
 
     def __init__(self, config: GradientCompressionConfig):
         self.config = config
@@ -182,7 +186,24 @@ class BayesPrior(Compressor):
         tstate["tau_scale"] = min(max(tstate["tau_scale"] * factor, 1.0 / limit), limit)
 
 
-COMPRESSORS: dict[str, type[Compressor]] = {cls.name: cls for cls in (TopK, RandomK, BayesPrior)}
+class PowerSGD(Compressor):
+    """``method: powersgd``: the registry's entry of the low-rank method (ds_xc/compression/powersgd.py).
+
+    It selects no elements: CompressedOptimizer.reduce_gradients sends each compressed tensor's
+    rank-r approximation instead (``low_rank``), so :meth:`select` raises. Tensors of one
+    dimension are no matrices and go dense (``min_dim``).
+    """
+
+    name = "powersgd"
+    low_rank = True
+    min_dim = 2
+
+    def select(self, v, tstate, gen, shared_gen):
+        raise NotImplementedError("gradient_compression.method='powersgd' selects no elements; its reduction is "
+                                  "the low-rank round of ds_xc/compression/powersgd.py")
+
+
+COMPRESSORS: dict[str, type[Compressor]] = {cls.name: cls for cls in (TopK, RandomK, BayesPrior, PowerSGD)}
 
 
 def build_compressor(config: GradientCompressionConfig) -> Compressor:

@@ -4,7 +4,7 @@ The models live on the configuration floor, so that ds_xc/config.py can validate
 DeepSpeed config without importing the compression package (no import cycle).
 """
 from ds_xc.config_compression import (COMPRESSION_SECTION, ConfigError, GradientCompressionConfig,  # noqa: F401
-                                      HierarchyConfig, PriorConfig, parse_compression)
+                                      HierarchyConfig, PowerSGDConfig, PriorConfig, parse_compression)
 
-__all__ = ["COMPRESSION_SECTION", "PriorConfig", "HierarchyConfig", "GradientCompressionConfig",
+__all__ = ["COMPRESSION_SECTION", "PriorConfig", "HierarchyConfig", "PowerSGDConfig", "GradientCompressionConfig",
            "parse_compression", "ConfigError"]

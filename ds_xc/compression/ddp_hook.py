@@ -20,8 +20,9 @@ per-tensor rule to each, through CompressedOptimizer's public reducers' interfac
 (ds_xc/compression/steps.py), exactly as the overlapped reducer does for its own
 buckets. Gradients and error-feedback residuals equal those of ``reduce_gradients()``
 on the same gradients (tests/test_ddp_hook.py). Differences: ``granularity: bucket`` (one
-threshold over all tensors) and the node ``hierarchy`` need every gradient at once and are
-refused; the traffic counters count one dense all-reduce per bucket where
+threshold over all tensors), the node ``hierarchy`` and ``method: powersgd`` (its P
+all-reduce spans every tensor; torch ships a PowerSGD comm hook for DDP) need every
+gradient at once and are refused; the traffic counters count one dense all-reduce per bucket where
 ``reduce_gradients()`` counts one over all dense tensors.
 
 DDP's bucket buffer is a copy of the gradients: the hook returns the mean in it, and DDP
@@ -63,6 +64,11 @@ class CompressedDDPHook:
         params = [p for p in ddp_model.module.parameters() if p.requires_grad]
         self.optimizer = CompressedOptimizer(optimizer, config, group, params=params)
         cfg = self.optimizer.config
+        if cfg.method == "powersgd":
+            raise ConfigError(f"{COMPRESSION_SECTION}.method: got 'powersgd' with the DDP comm hook; allowed: "
+                              "'none', 'topk', 'randomk', 'bayes_prior'. For PowerSGD inside DDP use torch's own "
+                              "hook (torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook), or use "
+                              "CompressedOptimizer.reduce_gradients() without DDP")
         if cfg.enabled and cfg.granularity != "tensor":
             raise ConfigError(f"{COMPRESSION_SECTION}.granularity: got {cfg.granularity!r} with the DDP comm hook; "
                               "allowed: 'tensor' (DDP's buckets split the one-threshold bucket)")

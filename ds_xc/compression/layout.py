@@ -49,15 +49,18 @@ class BucketLayout:
 
 
 def plan_layout(params: list[torch.Tensor], min_numel: int, compress: bool, local_rank: int = 0,
-                local_size: int = 1, per_tensor: bool = True) -> BucketLayout:
+                local_size: int = 1, per_tensor: bool = True, min_dim: int = 1) -> BucketLayout:
     """Split ``params`` into dense and compressed ones and place the compressed ones in the bucket.
+
+    Compressed: ``min_numel`` elements or more and ``min_dim`` dimensions or more (PowerSGD
+    compresses matrices only).
 
     ``per_tensor=False`` makes this rank's whole region one segment (one threshold for the
     bucket), its state kept with the first parameter that overlaps the region.
     """
     layout = BucketLayout()
     for i, p in enumerate(params):
-        if compress and p.numel() >= min_numel:
+        if compress and p.numel() >= min_numel and p.dim() >= min_dim:
             layout.sparse.append(i)
             layout.starts.append(layout.numel)
             layout.numel += p.numel()

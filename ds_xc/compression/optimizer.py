@@ -12,7 +12,9 @@ as one flat fp32 bucket:
     mean over ranks of v[S]           (sparse all-gather, or a values all-reduce for random-k)
     e = v - sent; u[S] = 0            (what was not sent waits for the next step)
 
-Small tensors, the first ``warmup_steps`` steps and ``method: none`` use a dense
+``method: powersgd`` replaces the selection and exchange by a low-rank approximation
+per tensor (ds_xc/compression/powersgd.py: M = e + x, P = M Q and Q = M^T P all-reduced,
+e = M - P Q^T). Small tensors, the first ``warmup_steps`` steps and ``method: none`` use a dense
 all-reduce. Every rank rebuilds the mean from the same gathered data in the same
 order, so replicas stay bit-identical. The residuals, momentum, thresholds and the
 step counter (which seeds all random draws) live in ``self.state`` and round-trip
@@ -29,9 +31,11 @@ import torch
 import torch.distributed as dist
 
 from ds_xc.compression.compressors import allocate_densities, build_compressor
-from ds_xc.compression.config import GradientCompressionConfig, parse_compression
+from ds_xc.compression.config import COMPRESSION_SECTION, ConfigError, GradientCompressionConfig, parse_compression
 from ds_xc.compression.layout import plan_layout
 from ds_xc.compression.pays import check_config
+from ds_xc.compression.powersgd import LowRankSteps
+from ds_xc.compression.seeds import mix_seed, seeded_generator
 from ds_xc.compression.state import CompressionState
 from ds_xc.compression.steps import ReductionSteps
 from ds_xc.compression.transport import (DTYPES, NodeGroups, WireCounter, all_gather_slices, allreduce_bytes,
@@ -43,26 +47,10 @@ log = logging.getLogger(__name__)
 
 __all__ = ["CompressedOptimizer"]
 
-_MASK64 = (1 << 64) - 1
 _RESYNC = 1.5  # bayes_prior: a global density off by this factor triggers a statistics sync
 
 
-def _mix(*values: int) -> int:
-    """A 63-bit seed from a tuple of ints (splitmix64 rounds), the same on every platform."""
-    h = 0x9E3779B97F4A7C15
-    for v in values:
-        z = (h ^ (v & _MASK64)) + 0x9E3779B97F4A7C15 & _MASK64
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EB & _MASK64
-        h = z ^ (z >> 31)
-    return h >> 1
-
-
-def _generator(seed: int, device: torch.device) -> torch.Generator:
-    return torch.Generator(device=device).manual_seed(seed)
-
-
-class CompressedOptimizer(CompressionState, ReductionSteps, torch.optim.Optimizer):
+class CompressedOptimizer(CompressionState, ReductionSteps, LowRankSteps, torch.optim.Optimizer):
     """Wraps ``optimizer`` (replicated over ``group``): compressed gradient mean, then its step.
 
     Args:
@@ -108,9 +96,13 @@ class CompressedOptimizer(CompressionState, ReductionSteps, torch.optim.Optimize
             self.nodes = build_node_groups(cfg.hierarchy.ranks_per_node, group)
         self.comm_group = self.nodes.inter if self.nodes is not None else group
         self.compressor = build_compressor(cfg) if cfg.enabled else None
+        if self.nodes is not None and cfg.method == "powersgd":
+            raise ConfigError(f"{COMPRESSION_SECTION}.method='powersgd' with node_groups (a hierarchy of "
+                              f"{self.nodes.local_size} ranks per node): not supported; allowed: node_groups=None")
         local = (self.nodes.local_rank, self.nodes.local_size) if self.nodes is not None else (0, 1)
         self.layout = plan_layout(self._params, cfg.min_numel, cfg.enabled, *local,
-                                  per_tensor=cfg.granularity == "tensor")
+                                  per_tensor=cfg.granularity == "tensor",
+                                  min_dim=self.compressor.min_dim if self.compressor is not None else 1)
         self._value_dtype = DTYPES[cfg.value_dtype]
         self._buffers = self._make_buffers()
         self._work: dict = {}  # reused scratch buffers (see _scratch)
@@ -211,7 +203,8 @@ class CompressedOptimizer(CompressionState, ReductionSteps, torch.optim.Optimize
             dense_allreduce_mean_(grads, self.group, self.counter)
             return self.close_step(before)
         dense_allreduce_mean_([grads[i] for i in self.layout.dense], self.group, self.counter)
-        self.close_step(before, self._reduce_bucket(grads) if self.layout.numel else None)
+        reduce = self._reduce_low_rank if self.compressor.low_rank else self._reduce_bucket  # powersgd.py
+        self.close_step(before, reduce(grads) if self.layout.numel else None)
 
     def _reduce_bucket(self, grads: list[torch.Tensor]) -> tuple:
         """The compressed exchange of the flat bucket; returns (sent, global_sent, comm) for close_step."""
@@ -302,8 +295,10 @@ class CompressedOptimizer(CompressionState, ReductionSteps, torch.optim.Optimize
         parts = []
         for seg in (self.layout.segments if segments is None else segments):
             sv = v[seg.start: seg.end]
-            gen = _generator(_mix(seed, self._step, seg.index, self._seed_rank), v.device) if comp.uses_stats else None
-            shared = _generator(_mix(seed, self._step, seg.index, -1), v.device) if comp.shared_indices else None
+            gen = (seeded_generator(mix_seed(seed, self._step, seg.index, self._seed_rank), v.device)
+                   if comp.uses_stats else None)
+            shared = (seeded_generator(mix_seed(seed, self._step, seg.index, -1), v.device)
+                      if comp.shared_indices else None)
             tstate = self.state[self._params[seg.index]]
             idx = comp.select(sv, tstate, gen, shared)
             comp.after_select(tstate, idx.numel(), seg.numel)
@@ -374,8 +369,9 @@ class CompressedOptimizer(CompressionState, ReductionSteps, torch.optim.Optimize
         if is_distributed(comm):
             dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=comm)
         tops = [math.ceil(math.log2(m)) if m > 0 else -math.inf for m in maxes.tolist()]
-        hists = torch.stack([comp.local_histogram(v[s.start: s.end], top, _generator(
-            _mix(self.config.seed, self._step, -2, s.index, self._seed_rank), v.device)) for s, top in zip(segs, tops)]
+        hists = torch.stack([comp.local_histogram(v[s.start: s.end], top, seeded_generator(
+            mix_seed(self.config.seed, self._step, -2, s.index, self._seed_rank), v.device))
+            for s, top in zip(segs, tops)]
             or [torch.zeros(self.config.bins, device=v.device)])  # (S, B)
         if is_distributed(comm):
             dist.all_reduce(hists, op=dist.ReduceOp.SUM, group=comm)

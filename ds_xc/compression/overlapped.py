@@ -15,7 +15,8 @@ Selection, statistics and random draws are per tensor (segment) and seeded by (s
 tensor, rank), and the means are element-wise, so the gradients, residuals and
 thresholds equal those of ``reduce_gradients()`` (tests/test_overlap_compression.py).
 Not supported: the node hierarchy (its intra-node reduce-scatter needs the whole
-bucket); ``granularity: bucket`` (one threshold over all tensors) runs as a single bucket.
+bucket) and ``method: powersgd`` (refused: its two all-reduces span every tensor);
+``granularity: bucket`` (one threshold over all tensors) runs as a single bucket.
 """
 from __future__ import annotations
 
@@ -41,6 +42,11 @@ class OverlappedCompressedReducer(BucketedGradReducer):
                               f"{COMPRESSION_SECTION}.hierarchy.ranks_per_node={opt.nodes.local_size}: the "
                               "hierarchical reduction needs the whole bucket at once; set overlap_grad_reduce=false "
                               "or ranks_per_node=1")
+        if opt.compressor is not None and opt.compressor.low_rank:
+            raise ConfigError(f"{HEAD_SECTION}.overlap.overlap_grad_reduce=true with {COMPRESSION_SECTION}.method="
+                              f"{opt.config.method!r}: the low-rank reduction all-reduces every tensor's P before "
+                              "any Q, so it cannot run bucket by bucket from backward hooks; set "
+                              "overlap_grad_reduce=false, or method 'none', 'topk', 'randomk' or 'bayes_prior'")
         lay = opt.layout
         one = opt.config.granularity != "tensor" and lay.sparse  # one threshold over all: one bucket
         super().__init__(opt.params, opt.comm_group, bucket_bytes, timeline, comm_group,

@@ -75,6 +75,9 @@ def compression_nodes(plan: DenseReduction, compression_cfg, overlap_cfg):
     overlapped compressed reducer, which has no hierarchy)."""
     if plan.hier is None or compression_cfg.hierarchy.ranks_per_node > 1:
         return None
+    if compression_cfg.method == "powersgd":
+        log.info("topology: method powersgd has no node hierarchy; compressing flat")
+        return None
     if overlap_cfg.enabled and overlap_cfg.overlap_grad_reduce:
         log.info("topology: the overlapped compressed reduction has no node hierarchy; compressing flat")
         return None
