@@ -36,7 +36,7 @@ import torch
 from tests import fault_driver
 from tests.dist_pool import free_port
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, pytest.mark.serial]  # timing: stamps and timeouts, run alone
 
 FAULT_SEED, STEPS, SAVE_EVERY, TIMEOUT_S, SLACK_S = 20261201, 8, 2, 5, 10
 CFG = {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 0.0, "steps_per_print": 10**6,

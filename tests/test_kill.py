@@ -22,6 +22,8 @@ import torch
 
 from tests.dist_pool import free_port
 
+pytestmark = pytest.mark.serial  # timing: a dead rank must stop the others within a timeout; run alone
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -52,7 +52,7 @@ def _namespaces_reason():
 
 
 REASON = _namespaces_reason()
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=str(REASON))]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.skipif(REASON is not None, reason=str(REASON))]
 
 
 def _config(tmp_path):

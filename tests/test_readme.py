@@ -48,3 +48,15 @@ def test_readme_example_runs(tmp_path):
     cfg = first["loss_cfg"]
     ref = per_row_loss(first["emb"].double(), first["weight"].double()[index], targets, cfg).mean()
     assert first["loss"] == pytest.approx(float(ref), rel=1e-5)
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    """.ci/run ends with the README's test command, and the command runs every test: the parallel
+    part excludes exactly the `serial` marker that the second part selects."""
+    with open(os.path.join(ROOT, "README.md")) as fh:
+        readme = fh.read()
+    with open(os.path.join(ROOT, ".ci", "run")) as fh:
+        ci = fh.read()
+    cmd = re.search(r"Set up and run the tests:\n\n```bash\n(.+)\n```", readme).group(1)
+    assert cmd in ci.splitlines()
+    assert '-m "not serial"' in cmd and cmd.endswith("python -m pytest -q -m serial")
