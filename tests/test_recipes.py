@@ -14,6 +14,8 @@ import ds_xc
 from ds_xc.engine import load_raw_config
 from tests.train_procs import run_ranks
 
+pytestmark = pytest.mark.xdist_group("recipes")  # the module's runs share one process: one xdist worker
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "configs", "*.json")))
 NAMES = [os.path.basename(p) for p in RECIPES]
@@ -72,17 +74,36 @@ def _expected_active(sampler: dict, num_classes: int, world: int) -> int:
     return sum(math.ceil(rate * size) for size in sizes)
 
 
-def _run(name: str, tmp_path, world: int, num_classes: int = 2001) -> tuple[dict, str]:
-    raw = _raw(name)
-    summary = tmp_path / "summary.json"
+def _args(name: str, summary, num_classes: int) -> list:
     args = ["--deepspeed_config", os.path.join(ROOT, "configs", name), "--max_steps", "3", "--eval_every", "0",
             "--num_classes", str(num_classes), "--summary_json", str(summary),
             "--set", "train_micro_batch_size_per_gpu=32", "--set", "xc_train.eval_samples=256"]
-    if raw.get("xc_train", {}).get("data") in FETCHED:
+    if _raw(name).get("xc_train", {}).get("data") in FETCHED:
         args += ["--data", "synthetic"]
-    out = run_ranks(args, world=world)  # ranks started directly: test_launch.py tests the launcher
-    with open(summary) as fh:
+    return args
+
+
+def _run(name: str, tmp_path, world: int, num_classes: int = 2001) -> tuple[dict, str]:
+    summary = tmp_path / "summary.json"
+    out = run_ranks(_args(name, summary, num_classes), world=world)  # ranks started directly: test_launch.py
+    with open(summary) as fh:                                       # tests the launcher
         return json.load(fh), out
+
+
+@pytest.fixture(scope="module")
+def one_rank_runs(tmp_path_factory):
+    """Every recipe's 3-step run on one rank, each forked from one process that loaded the
+    interpreter, torch and DeepSpeed once (tests/recipe_driver.py). {name: (summary or None, output)}."""
+    work = tmp_path_factory.mktemp("recipes")
+    jobs = [{"args": _args(n, work / f"{n}.summary.json", _smoke_classes(n)), "out": str(work / f"{n}.out")}
+            for n in NAMES]
+    (work / "jobs.json").write_text(json.dumps(jobs))
+    run_ranks([str(work / "jobs.json")], world=1, script=os.path.join(ROOT, "tests", "recipe_driver.py"))
+    runs = {}
+    for n, job in zip(NAMES, jobs):
+        summary = work / f"{n}.summary.json"
+        runs[n] = (json.loads(summary.read_text()) if summary.exists() else None, open(job["out"]).read())
+    return runs
 
 
 def _check_summary(name: str, res: dict, out: str, world: int, num_classes: int = 2001) -> None:
@@ -110,10 +131,10 @@ def _smoke_classes(name: str) -> int:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
-def test_recipe_runs(name, tmp_path):
-    classes = _smoke_classes(name)
-    res, out = _run(name, tmp_path, world=1, num_classes=classes)
-    _check_summary(name, res, out, world=1, num_classes=classes)
+def test_recipe_runs(name, one_rank_runs):
+    res, out = one_rank_runs[name]
+    assert res is not None and out.rstrip().endswith("exit 0"), out[-4000:]
+    _check_summary(name, res, out, world=1, num_classes=_smoke_classes(name))
 
 
 @pytest.mark.slow
