@@ -86,13 +86,22 @@ def test_density_one_step_equals_the_data_parallel_reference(pools, bf16):
     assert torch.equal(res[0]["w"], res[1]["w"])
 
 
-def test_compressed_engine_equals_plain_torch_distributed(pools):
-    engine = pools(2).run(_run_engine, COMP, 2, 4)
-    plain = pools(2).run(_run_plain, COMP, 2, 4)
+POWERSGD = {"method": "powersgd", "powersgd": {"rank": 2}, "min_numel": 16}
+
+
+@pytest.mark.parametrize("comp,density", [(COMP, None), (POWERSGD, (10 + IN) * 2 / (10 * IN))],
+                         ids=["bayes_prior", "powersgd"])
+def test_compressed_engine_equals_plain_torch_distributed(pools, comp, density):
+    """powersgd: the (10, 12) weight at rank 2 sends (10 + 12) x 2 floats of its 120 per step."""
+    engine = pools(2).run(_run_engine, comp, 2, 4)
+    plain = pools(2).run(_run_plain, comp, 2, 4)
     for e, p in zip(engine, plain):
         assert torch.equal(e["w"], p["w"])
     assert torch.equal(engine[0]["w"], engine[1]["w"])
-    assert 0.2 < engine[0]["stats"]["density"] < 0.4
+    if density is None:
+        assert 0.2 < engine[0]["stats"]["density"] < 0.4
+    else:
+        assert engine[0]["stats"]["density"] == pytest.approx(density, rel=1e-12)
 
 
 def test_bf16_compressed_replicas_stay_identical(pools):

@@ -126,8 +126,9 @@ def test_zero1_topk_step_equals_the_float64_reference(pools, world, clip):
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("comp", [{"method": "bayes_prior", "density": 0.2, "min_numel": 64, "stats_sync_interval": 2},
-                                  {"method": "randomk", "density": 0.3, "min_numel": 64, "value_dtype": "bfloat16"}],
-                         ids=["bayes_prior", "randomk-bf16-values"])
+                                  {"method": "randomk", "density": 0.3, "min_numel": 64, "value_dtype": "bfloat16"},
+                                  {"method": "powersgd", "powersgd": {"rank": 2}, "min_numel": 64}],
+                         ids=["bayes_prior", "randomk-bf16-values", "powersgd"])
 def test_zero1_follows_the_zero0_trajectory(pools, world, comp):
     zero0 = pools(world).run(_run, 0, comp, 3)
     zero1 = pools(world).run(_run, 1, comp, 3)
