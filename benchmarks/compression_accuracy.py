@@ -28,6 +28,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/harness.py
+from harness import git_rev  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "benchmarks", "compression_train.py")
 DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "compression_accuracy.md")
@@ -102,6 +105,7 @@ def dense_bytes_per_step(result: dict) -> float:
 def render(rows: list[dict], args, command: str, started: str, wall: float) -> str:
     lines = ["# Compressed backbone reduction: accuracy and bytes on launch/train.py tasks\n",
              f"- command: `{command}`", f"- date: {started}, wall time {wall / 60:.1f} min",
+             f"- ds_xc at git {git_rev(('ds_xc', 'launch', 'benchmarks', 'configs'))}",
              f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
              f"torch {rows[0].get('torch', '?') if rows else '?'}",
              f"- {args.world} ranks on 127.0.0.1 (gloo, 1 thread each), {args.steps} steps per variant, "
