@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 from datetime import timedelta
 
@@ -85,7 +86,6 @@ def close_all(pools: list, force: bool = False, timeout: float = 10.0) -> None:
     """Stop every pool's workers together: all are told to stop first, then all are joined
     against one deadline and the stragglers killed (a worker left inside a collective by a
     test that failed a rank on purpose would otherwise hold each pool's join in turn)."""
-    import time
     if not force:
         for pool in pools:
             for q in pool.tasks:

@@ -19,6 +19,7 @@ from ds_xc.compression.seeds import mix_seed
 from ds_xc.compression.transport import allreduce_bytes
 from ds_xc.config import ConfigError
 from tests.dist_pool import catch
+from tests.test_compression_dist import _train_classifier as train_mlp
 
 SHAPES = [(37, 19), (8, 3, 5, 5), (300,), (5, 3), (2, 60)]  # (300,): 1-D, dense; (5, 3): small, dense
 MIN_NUMEL = 100
@@ -171,22 +172,9 @@ def test_full_rank_is_the_dense_mean(pools, world):
 
 
 def _train_classifier(rank, world, cfg, steps):
-    """An MLP on the built-in synthetic data (real training gradients, SGD momentum 0.9); the losses."""
-    from ds_xc.data import build_dataset
-    from ds_xc.models import build_backbone
-    data = build_dataset("synthetic", 64, seed=3)
-    torch.manual_seed(0)
-    model = build_backbone(data, 64, hidden_dim=256)
-    opt = CompressedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), cfg)
-    losses = []
-    for step in range(steps):
-        x, y = data.train_batch(step, 32, rank, world)
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    """The MLP of tests/test_compression_dist.py on the built-in synthetic data (real training
+    gradients, SGD momentum 0.9) at lr 0.1; the losses."""
+    return train_mlp(rank, world, cfg, steps, 0.1)["losses"]
 
 
 def test_training_with_rank_4_follows_dense_training(pools):
