@@ -28,6 +28,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/harness.py
+from harness import git_rev  # noqa: E402
 NETNS = os.path.join(ROOT, "benchmarks", "netns.sh")
 DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "compression_netns.md")
 # name -> (method for the wire run, method for the train run, extra keys)
@@ -98,6 +100,7 @@ def render(args, command, started, wall, wire, train) -> str:
              f"- command: `{command}`", f"- date: {started}, wall time {wall / 60:.1f} min; "
              f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load average "
              f"{load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f} (shared machine: compare rows of one run)",
+             f"- ds_xc at git {git_rev(('ds_xc', 'benchmarks'))}",
              f"- link: veth pair, `tc qdisc replace dev VETH root tbf rate {args.rate} burst 128kb latency 50ms` "
              "on both ends (benchmarks/netns.sh); 1 thread per rank; density "
              f"{args.density}, error feedback on\n"]

@@ -27,6 +27,8 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/harness.py
+from harness import git_rev  # noqa: E402
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 SIZES = (10**6, 10**7, 10**8)
 LINKS = (0.1, 1.0, 10.0, 100.0)  # Gbit/s
@@ -165,7 +167,8 @@ def calibrate(density: float, steps: int, repeats: int = 2, sizes=(10**6, 10**7)
         "# Calibration of the compression cost model (ds_xc/cost/compression.py)", "",
         f"- command: `python benchmarks/compression_pays.py --calibrate --steps {steps} --repeats {repeats}`",
         (f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}; {platform.machine()}, "
-         f"{os.cpu_count()} cores, load average {load} (shared machine: other jobs only add time)"), "",
+         f"{os.cpu_count()} cores, load average {load} (shared machine: other jobs only add time)"),
+        f"- ds_xc at git {git_rev(('ds_xc', 'benchmarks'))}", "",
         "## A. Fitted to the reductions over tc-shaped veth links (2 ranks, 10^7 elements, 12 steps)", "",
         "compute ns/element = (measured - the model's transfer) / N; 'beyond dense_ns' = minus dense_ns "
         "(the 1 Gbit/s dense row's value).", "",

@@ -31,6 +31,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/harness.py
+from harness import git_rev  # noqa: E402
 DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "compression_selection.md")
 
 import torch  # noqa: E402
@@ -130,6 +132,7 @@ def main(argv=None):
                         f"- command: `{command}`", f"- date: {started}; torch {torch.__version__}; "
                         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; load average "
                         f"{load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f} (the machine is shared: compare rows, not runs)",
+                        f"- ds_xc at git {git_rev(('ds_xc', 'benchmarks'))}",
                         f"- v: error-feedback steady state after {args.warm} steps; median of {args.reps} timings\n",
                         *sections, ""])
     if args.out != "-":
