@@ -35,6 +35,13 @@ class TopologyConfig(Section):
         16.0, gt=0.0, le=4096.0, description="Bucket size of the backbone's hierarchical reduction when ds_xc "
         "takes it over from DeepSpeed (buckets are launched from the gradient hooks during the backward); also "
         "the size of auto's probe.")
+    sparse_rows: bool = Field(
+        False, description="Send the gradient of each nn.Embedding / nn.EmbeddingBag weight of the backbone as "
+        "its nonzero rows (indices and rows all-gathered, as DDP does for sparse embeddings and DeepSpeed's "
+        "sparse_gradients) whenever that moves fewer bytes than the dense ring all-reduce; the choice is made "
+        "each step from every rank's row count, alike on every rank; the mean is the same. ds_xc then owns the "
+        "backbone's reduction (fp32, ZeRO stage 0), in buckets from the gradient hooks; not with "
+        "gradient_compression (its selection already works on the nonzeros).")
     probe_repeats: int = Field(
         3, ge=0, le=100, description="auto only: timed repeats of each reduction on the probe (after one "
         "warm-up each, alternating; the slowest rank's time, the median; the group's first rank decides and "

@@ -19,6 +19,8 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 from ds_xc.config import HEAD_SECTION, ConfigError
 from ds_xc.parallel import reduction_probe
 from ds_xc.parallel.buckets import BucketedGradReducer
@@ -28,7 +30,8 @@ from ds_xc.parallel.topology import NodeLayout, choose_reduction, detect_layout
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DenseReduction", "plan_reduction", "compression_nodes", "take_over_reduction"]
+__all__ = ["DenseReduction", "plan_reduction", "compression_nodes", "take_over_reduction", "check_sparse_rows",
+           "row_sparse_params", "embedding_tables"]
 
 
 @dataclass
@@ -87,11 +90,48 @@ def compression_nodes(plan: DenseReduction, compression_cfg, overlap_cfg):
                       num_nodes=h.num_nodes)
 
 
-def take_over_reduction(engine, plan: DenseReduction, topology, group) -> Optional[BucketedGradReducer]:
-    """Make ds_xc reduce the backbone hierarchically (None when the plan is flat): buckets from the hooks."""
-    if plan.hier is None:
+def embedding_tables(module: torch.nn.Module) -> list:
+    """The weights of ``module``'s dense-gradient embedding tables (nn.Embedding / nn.EmbeddingBag, sparse=False,
+    trainable): the gradients that are zero outside the rows a batch looked up."""
+    return [m.weight for m in module.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+            and not m.sparse and m.weight.requires_grad]
+
+
+def check_sparse_rows(engine, topology, compression: bool) -> None:
+    """Refuse ``topology.sparse_rows`` where ds_xc cannot own the backbone's reduction exactly."""
+    if not topology.sparse_rows:
+        return
+    stage, bf16 = int(engine.zero_optimization_stage()), bool(engine.bfloat16_enabled())
+    where = f"{HEAD_SECTION}.topology.sparse_rows=true"
+    if compression:
+        raise ConfigError(f"{where} with gradient_compression enabled: the compressed reduction already selects "
+                          "from the nonzeros (allocation 'nonzero'); set sparse_rows=false or disable compression")
+    if stage != 0 or bf16:
+        raise ConfigError(f"{where} with zero_optimization.stage={stage}, bf16={bf16}: ds_xc takes the backbone's "
+                          "reduction over from DeepSpeed only for fp32 at ZeRO stage 0; set sparse_rows=false")
+
+
+def row_sparse_params(engine, topology) -> list:
+    """The tables whose gradients go as rows (empty unless ``topology.sparse_rows``)."""
+    if not topology.sparse_rows:
+        return []
+    tables = embedding_tables(engine.module)
+    if not tables:
+        log.warning("%s.topology.sparse_rows=true but the backbone has no nn.Embedding / nn.EmbeddingBag with a "
+                    "dense gradient: every gradient is reduced dense", HEAD_SECTION)
+    else:
+        log.info("topology: %d embedding table(s) sent as their nonzero rows (%s)", len(tables),
+                 ", ".join("x".join(map(str, t.shape)) for t in tables))
+    return tables
+
+
+def take_over_reduction(engine, plan: DenseReduction, topology, group, rows=()) -> Optional[BucketedGradReducer]:
+    """Make ds_xc reduce the backbone (None when DeepSpeed's flat all-reduce serves): buckets from the hooks,
+    hierarchical when the plan is, with the tables ``rows`` (:func:`row_sparse_params`) sent as rows."""
+    if plan.hier is None and not rows:
         return None
     params = [p for p in engine.module.parameters() if p.requires_grad]
-    reducer = BucketedGradReducer(params, group, int(topology.bucket_size_mb * 2**20), reduction=plan.hier)
+    reducer = BucketedGradReducer(params, group, int(topology.bucket_size_mb * 2**20), reduction=plan.hier,
+                                  row_sparse=rows)
     engine.enable_backward_allreduce = False
     return reducer

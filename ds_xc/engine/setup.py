@@ -21,7 +21,8 @@ import torch.distributed as dist
 from ds_xc import config as cfg
 from ds_xc.config_schedule import check_no_scheduler_clash
 from ds_xc.engine.core import XCEngine
-from ds_xc.engine.reduction import compression_nodes, plan_reduction, take_over_reduction
+from ds_xc.engine.reduction import (check_sparse_rows, compression_nodes, plan_reduction, row_sparse_params,
+                                   take_over_reduction)
 from ds_xc.head import ClassParallelHead, build_head_optimizer
 from ds_xc.optim.deepspeed import attach_partition_layouts, build_backbone_optimizer, check_backbone_optimizer
 from ds_xc.parallel.agree import agree, all_or_none
@@ -184,6 +185,8 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
     compression = None
     head_cfg, comp_cfg = xc_config.extreme_classification, xc_config.gradient_compression
     comp_on = comp_cfg is not None and comp_cfg.enabled
+    check_sparse_rows(engine, head_cfg.topology, comp_on)
+    rows = row_sparse_params(engine, head_cfg.topology)  # embedding tables sent as rows (topology.sparse_rows)
     plan = plan_reduction(engine, head_cfg.topology, dp_group, comp_on)  # the node layout, flat or hierarchical
     if comp_on:
         from ds_xc.compression import attach_to_engine  # takes over the backbone's reduction
@@ -193,9 +196,10 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
     if head_cfg.overlap.enabled:
         from ds_xc.overlap.run import build_overlap
         schedule, reducer = build_overlap(engine, head, head_cfg.overlap, compression,
-                                          head_comm_group=copy_subgroups(head_group), reduction=plan.hier)
+                                          head_comm_group=copy_subgroups(head_group), reduction=plan.hier,
+                                          row_sparse=rows)
     if reducer is None and compression is None:
-        reducer = take_over_reduction(engine, plan, head_cfg.topology, dp_group)
+        reducer = take_over_reduction(engine, plan, head_cfg.topology, dp_group, rows)
     flag_group = copy_subgroups(dp_group, backend="gloo")  # its own group: the verdict never queues behind buckets
     if hasattr(scheduler, "bind"):  # AdaptiveLR: rank 0 of the data-parallel group decides (its gloo copy)
         scheduler.bind(flag_group if flag_group is not None else dp_group, engine.train_batch_size())

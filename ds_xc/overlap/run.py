@@ -39,13 +39,14 @@ def check_overlap(overlap, zero_stage: int, bf16: bool) -> None:
                           "the bf16 wrapper reduce their own buffers); set overlap_grad_reduce=false")
 
 
-def build_overlap(engine, head, overlap, compression=None, head_comm_group=None, reduction=None):
+def build_overlap(engine, head, overlap, compression=None, head_comm_group=None, reduction=None, row_sparse=()):
     """(ChunkedHeadSchedule, BucketedGradReducer or None) for an engine and its head.
 
     ``head_comm_group``: the schedule's copy of the head's group (default: built by the
     schedule, which needs the head's group to span the world; ``initialize`` passes one made
     by every rank with ``copy_subgroups``). ``reduction``: the hierarchical all-reduce the
-    backbone's buckets use (None: flat; ds_xc/engine/reduction.py)."""
+    backbone's buckets use (None: flat; ds_xc/engine/reduction.py). ``row_sparse``: the embedding tables whose
+    gradients go as their nonzero rows (``topology.sparse_rows``)."""
     check_overlap(overlap, int(engine.zero_optimization_stage()), bool(engine.bfloat16_enabled()))
     timeline = Timeline(head.weight.device)
     schedule = ChunkedHeadSchedule(head, overlap.num_chunks, timeline=timeline, comm_group=head_comm_group)
@@ -57,7 +58,7 @@ def build_overlap(engine, head, overlap, compression=None, head_comm_group=None,
             reducer = compression.overlapped_reducer(timeline=timeline, bucket_bytes=int(overlap.bucket_size_mb * 2**20))
         else:
             reducer = BucketedGradReducer(params, group, int(overlap.bucket_size_mb * 2**20), timeline,
-                                          reduction=reduction)
+                                          reduction=reduction, row_sparse=row_sparse)
             engine.enable_backward_allreduce = False
     log.info("overlap pipeline: %d chunks, backbone per chunk=%s, bucketed gradient reduction=%s",
              overlap.num_chunks, overlap.chunk_backbone, reducer is not None)

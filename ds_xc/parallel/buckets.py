@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from ds_xc.parallel.collectives import all_reduce_mean_
+from ds_xc.parallel.sparse_rows import RowSparseMean, dense_ring_bytes
 from ds_xc.parallel.groups import copy_group, group_size, is_distributed, resolve_group
 from ds_xc.parallel.timeline import Timeline, wait_work
 
@@ -29,14 +30,18 @@ log = logging.getLogger(__name__)
 __all__ = ["BucketedGradReducer", "plan_buckets"]
 
 
-def plan_buckets(params: list, bucket_bytes: int) -> list[list[int]]:
+def plan_buckets(params: list, bucket_bytes: int, alone: frozenset = frozenset()) -> list[list[int]]:
     """Indices of ``params`` per bucket, last parameter first; a bucket holds one dtype and about
-    ``bucket_bytes`` (a larger parameter gets a bucket of its own)."""
+    ``bucket_bytes`` (a larger parameter gets a bucket of its own, and so does every index in ``alone``)."""
     buckets: list[list[int]] = []
     size, dtype = 0, None
     for i in reversed(range(len(params))):
         p = params[i]
         nbytes = p.numel() * p.element_size()
+        if i in alone:
+            buckets.append([i])
+            size, dtype = bucket_bytes, p.dtype  # nothing joins it
+            continue
         if not buckets or p.dtype != dtype or size + nbytes > bucket_bytes and size > 0:
             buckets.append([])
             size, dtype = 0, p.dtype
@@ -62,6 +67,13 @@ class BucketedGradReducer:
         reduction: a :class:`ds_xc.parallel.hierarchical.HierarchicalAllReduce` over ``group``'s
             nodes (None: one flat all-reduce per bucket on ``comm_group``); its buckets move through
             their stages whenever a later bucket is launched, and in :meth:`finish`.
+        row_sparse: the parameters (2-D, e.g. embedding tables) whose gradients are sent as their
+            nonzero rows (:class:`ds_xc.parallel.sparse_rows.RowSparseMean`, flat on ``comm_group``,
+            dense when the rows would move more bytes); each gets a bucket of its own.
+
+    ``bytes_sent``: what this rank sent in the last window (ring volumes: dense 2 (P-1)/P of a
+    bucket, rows (P-1) k_max (4 d + 8)); ``row_modes``: 'rows' or 'dense' per row-sparse
+    parameter in the last window.
 
     Subclasses change what a bucket sends by overriding ``_launch(b)`` (the compressed
     reducer, ds_xc/compression/overlapped.py); they use the public :meth:`launch_remaining`
@@ -71,19 +83,30 @@ class BucketedGradReducer:
 
     def __init__(self, params, group=None, bucket_bytes: int = 4 << 20, timeline: Optional[Timeline] = None,
                  comm_group=None, overlap: bool = True, buckets: Optional[list[list[int]]] = None,
-                 reduction=None):
+                 reduction=None, row_sparse=()):
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("BucketedGradReducer: no parameters with requires_grad=True")
+        sparse_ids = {id(p) for p in row_sparse}
+        self._row_sparse = frozenset(i for i, p in enumerate(self.params) if id(p) in sparse_ids)
+        for i in self._row_sparse:
+            if self.params[i].dim() != 2:
+                raise ValueError(f"BucketedGradReducer: row_sparse parameter {i} has shape "
+                                 f"{tuple(self.params[i].shape)}; only 2-D tables are sent as rows")
         group = resolve_group(group)  # None: the world, named explicitly
         self.world = group_size(group)
         self.active = is_distributed(group)
         self.reduction = reduction
-        if comm_group is None and reduction is None:
+        if comm_group is None and (reduction is None or self._row_sparse):
             comm_group = copy_group(group)
         self.comm_group = comm_group
         self.timeline, self.overlap = timeline, bool(overlap)
-        self.buckets = plan_buckets(self.params, int(bucket_bytes)) if buckets is None else [list(b) for b in buckets]
+        if buckets is None:
+            self.buckets = plan_buckets(self.params, int(bucket_bytes), self._row_sparse)
+        else:
+            self.buckets = [list(b) for b in buckets]
+            if any(len(b) > 1 and self._row_sparse.intersection(b) for b in self.buckets):
+                raise ValueError("BucketedGradReducer: a row_sparse parameter must have a bucket of its own")
         self._bucket_of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
         self._buffers = [None] * len(self.buckets)
         self._works: list = [None] * len(self.buckets)
@@ -91,6 +114,8 @@ class BucketedGradReducer:
         self._next = 0
         self.armed = False
         self.launched_in_backward = 0  # buckets of the last window launched from hooks (overlapped)
+        self.bytes_sent = 0.0
+        self.row_modes: list[str] = []
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
         log.info("BucketedGradReducer: %d parameters in %d buckets of <= %.1f MiB, %d ranks", len(self.params),
                  len(self.buckets), bucket_bytes / 2**20, self.world)
@@ -107,6 +132,8 @@ class BucketedGradReducer:
         self._works = [None] * len(self.buckets)
         self._next = 0
         self.launched_in_backward = 0
+        self.bytes_sent = 0.0
+        self.row_modes = []
         self.armed = True
 
     def _ready(self, i: int) -> None:
@@ -121,6 +148,9 @@ class BucketedGradReducer:
     @torch.no_grad()
     def _launch(self, b: int) -> None:
         idx = self.buckets[b]
+        if self.active and idx[0] in self._row_sparse:
+            self._launch_rows(b)
+            return
         params = [self.params[i] for i in idx]
         numel = sum(p.numel() for p in params)
         buf = self._buffers[b]
@@ -143,8 +173,24 @@ class BucketedGradReducer:
         elif self.active:  # the mean in flight; the division waits for finish()
             self._works[b] = all_reduce_mean_(buf, self.comm_group, async_op=True)
         if self.active:
+            self.bytes_sent += dense_ring_bytes(buf.numel(), buf.element_size(), self.world)
             if self.timeline is not None:
                 self.timeline.issued("grad_reduce", buf.numel() * buf.element_size())
+
+    def _launch_rows(self, b: int) -> None:
+        """A row-sparse table's bucket: its nonzero rows all-gathered (or dense, when that moves fewer bytes)."""
+        p = self.params[self.buckets[b][0]]
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        buf = self._buffers[b]
+        if buf is None or buf.shape != grad.shape or buf.device != grad.device:
+            buf = self._buffers[b] = torch.empty_like(grad)
+        buf.copy_(grad)
+        work = RowSparseMean(buf, self.comm_group, async_op=True)
+        self._works[b] = work
+        self.bytes_sent += work.nbytes
+        self.row_modes.append(work.mode)
+        if self.timeline is not None:
+            self.timeline.issued("grad_reduce", int(work.nbytes))
 
     def launch_remaining(self) -> None:
         """Launch the buckets not launched yet, in bucket order (parameters without a gradient count as zeros)."""
@@ -160,6 +206,7 @@ class BucketedGradReducer:
         self.launch_remaining()
         for b, idx in enumerate(self.buckets):
             buf = self._buffers[b] if self._works[b] is None else self._works[b].wait(self.wait_comm)
+            buf = buf.reshape(-1)
             offset = 0
             for i in idx:
                 p = self.params[i]
