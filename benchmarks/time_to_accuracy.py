@@ -1,0 +1,171 @@
+"""Benchmark: time to accuracy of the backbone reductions over tc-shaped links (needs root).
+
+Two ranks in two network namespaces joined by a veth pair (benchmarks/netns.sh), one link
+speed after the other. For each link, launch/train.py's job (``--config``, default the
+default job) first trains with DeepSpeed's dense all-reduce for ``--steps`` steps,
+evaluating held-out top-1 every ``--eval_every`` steps; its final top-1 is the target.
+Every other variant then trains on the same link until an evaluation reaches the target or
+``--max_factor`` x ``--steps`` steps have run. The time is the training time (barrier to
+barrier per step, evaluations left out). Variants:
+
+- ``dense``: DeepSpeed's all-reduce of every gradient (flat, after the backward);
+- ``dense_rows``: the best dense reduction we have: ds_xc's buckets from the backward's hooks,
+  the embedding table sent as its nonzero rows (``topology.sparse_rows``; the same mean);
+- ``powersgd``: rank 4 (about 1% of the dense bytes on the text task), error feedback;
+- ``bayes_prior``, ``topk``: density 0.01, error feedback, their library defaults.
+
+Writes a table per link (steps and time to the target, speed-up against dense and against
+PowerSGD, bytes on the veth) and a plot of top-1 against training time per link:
+
+    sudo python benchmarks/time_to_accuracy.py                          # 1gbit,100mbit; ~45 min
+    sudo python benchmarks/time_to_accuracy.py --rates 10gbit --steps 100 --out -
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import shlex
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/harness.py, compression_netns.py
+from compression_netns import in_namespaces  # noqa: E402
+from harness import git_rev  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "time_to_accuracy.md")
+# name -> (compression_train.py --method, extra gradient_compression keys)
+VARIANTS = {"dense": ("dense", {}), "dense_rows": ("dense_rows", {}),
+            "powersgd": ("powersgd", {"powersgd": {"rank": 4}}),
+            "bayes_prior": ("bayes_prior", {}), "topk": ("topk", {})}
+
+
+def first_reach(curve: list[dict], target: float):
+    """The first evaluation with top-1 >= target (None: never)."""
+    return next((c for c in curve if c["top1"] >= target), None)
+
+
+def since_first_step(r: dict, train_s: float) -> float:
+    """Training time after the first step (which builds the ANN index and warms DeepSpeed up, alike for all)."""
+    return train_s - r["first_step_s"]
+
+
+def run_variant(args, name: str, rate: str, port: int, steps: int, target: float) -> tuple[dict, dict]:
+    method, extra = VARIANTS[name]
+    argv = ["--config", os.path.join(ROOT, args.config), "--method", method, "--density", str(args.density),
+            "--steps", str(steps), "--eval_every", str(args.eval_every), "--compression", json.dumps(extra),
+            "--seed", str(args.seed)]
+    if args.eval_samples:
+        argv += ["--eval_samples", str(args.eval_samples)]
+    if target:
+        argv += ["--target", repr(target)]
+    return in_namespaces("compression_train.py", argv, rate, port, args.timeout)
+
+
+def rate_table(rate: str, runs: list, target: float) -> list[str]:
+    """The markdown table of one link."""
+    reach = {name: first_reach(r["curve"], target) for name, r, _ in runs}
+    t = {name: (since_first_step(r, reach[name]["train_s"]) if reach[name] else None) for name, r, _ in runs}
+    lines = [f"## {rate}: target top-1 {target:.4f} (dense's final)\n",
+             "| variant | s/step (median) | steps to target | time to target (s) | vs dense | vs powersgd | "
+             "best top-1 (step) | veth B/step (rank 0 tx) |", "|---|---|---|---|---|---|---|---|"]
+    for name, r, c in runs:
+        best = max(r["curve"], key=lambda e: e["top1"])
+        hit = reach[name]
+
+        def ratio(other):
+            return f"{t[other] / t[name]:.2f}x" if t.get(other) and t[name] else "n/a"
+        when = f"{t[name]:.1f}" if hit else f"> {since_first_step(r, r['train_s']):.1f}"  # never: its whole run
+        lines.append(f"| {name} | {r['step_s']:.3f} | {hit['step'] if hit else 'never'} | {when} | "
+                     f"{ratio('dense')} | {ratio('powersgd')} | {best['top1']:.4f} ({best['step']}) | "
+                     f"{c['tx_bytes'][0] / r['steps']:,.0f} |")
+    return lines + [""]
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
+    for ax, (rate, (runs, target)) in zip(axes[0], results.items()):
+        for name, r, _ in runs:
+            ax.plot([since_first_step(r, c["train_s"]) for c in r["curve"]], [c["top1"] for c in r["curve"]], marker="o", ms=3,
+                    label=name)
+        ax.axhline(target, color="grey", ls=":", lw=1)
+        ax.set_title(f"{rate} link, 2 ranks")
+        ax.set_xlabel("training time after step 1 (s)")
+        ax.set_ylabel("held-out top-1")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> str:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rates", default="1gbit,100mbit", help="tc tbf rates, comma-separated ('none': unshaped)")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--config", default="configs/default.json")
+    p.add_argument("--steps", type=int, default=300, help="dense's steps; its final top-1 is the target")
+    p.add_argument("--max_factor", type=float, default=2.0, help="the others stop at max_factor x steps")
+    p.add_argument("--eval_every", type=int, default=25)
+    p.add_argument("--eval_samples", type=int, default=0, help="override xc_train.eval_samples (0: the config's)")
+    p.add_argument("--density", type=float, default=0.01)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--out", default=DEFAULT_OUT)
+    args = p.parse_args(argv)
+    names = args.variants.split(",")
+    if names[0] != "dense" or any(n not in VARIANTS for n in names):
+        p.error(f"--variants={args.variants!r}: the first must be dense (it sets the target); allowed: "
+                f"{', '.join(VARIANTS)}")
+    command = "sudo python benchmarks/time_to_accuracy.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    started, t0, port = datetime.datetime.now().isoformat(timespec="seconds"), time.time(), 29655
+    results = {}
+    for rate in args.rates.split(","):
+        runs, target = [], 0.0
+        for name in names:
+            port += 1
+            steps = args.steps if name == "dense" else math.ceil(args.max_factor * args.steps)
+            res, ctr = run_variant(args, name, rate, port, steps, target)
+            if name == "dense":
+                target = res["curve"][-1]["top1"]
+            runs.append((name, res, ctr))
+            hit = first_reach(res["curve"], target)
+            print(f"{rate} {name}: {res['step_s']:.3f} s/step, "
+                  f"{'target at step %d, %.1f s' % (hit['step'], hit['train_s']) if hit else 'target not reached'}",
+                  flush=True)
+        results[rate] = (runs, target)
+    report = render(args, command, started, time.time() - t0, results)
+    print(report)
+    if args.out != "-":
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out, "w") as fh:
+            fh.write(report + "\n")
+        plot(results, os.path.splitext(args.out)[0] + ".png")
+    return report
+
+
+def render(args, command: str, started: str, wall: float, results: dict) -> str:
+    first = next(iter(results.values()))[0][0][1]
+    load = "/".join(f"{x:.1f}" for x in os.getloadavg())
+    lines = ["# Time to accuracy over tc-shaped links: dense, dense with embedding rows, PowerSGD, compressed\n",
+             f"- command: `{command}`", f"- date: {started}, wall time {wall / 60:.1f} min; {os.cpu_count()} cores, "
+             f"load average {load} at the end", f"- ds_xc at git {git_rev(('ds_xc', 'benchmarks', 'configs'))}",
+             f"- job: {first['config']} ({first['data']}, {first['num_classes']} classes, backbone "
+             f"{first['backbone_numel'] / 1e6:.2f} M parameters), seed {args.seed}; 2 ranks in 2 namespaces, 1 thread "
+             "each; veth pair shaped by `tc tbf rate RATE burst 128kb latency 50ms` on both ends (benchmarks/netns.sh)",
+             f"- dense trains {args.steps} steps, its final top-1 is the target; the others stop at the first "
+             f"evaluation (every {args.eval_every} steps) that reaches it, or after {math.ceil(args.max_factor * args.steps)}"
+             " steps; time = training time after the first step (index build, warm-up), barrier to barrier per step, "
+             "evaluations left out; "
+             "`vs dense` = dense's time to the target / this variant's (> 1: faster)\n"]
+    for rate, (runs, target) in results.items():
+        lines += rate_table(rate, runs, target)
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""benchmarks/time_to_accuracy.py's bookkeeping: the target, the first evaluation that reaches it, the time after
+the first step, and the ratios of its table (the namespace runs themselves need root and minutes: not here)."""
+import importlib.util
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("tta", os.path.join(ROOT, "benchmarks", "time_to_accuracy.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(points, first=2.0, step_s=0.5, steps=None):
+    curve = [{"step": s, "train_s": t, "top1": a, "top5": a} for s, t, a in points]
+    return {"curve": curve, "first_step_s": first, "step_s": step_s, "train_s": curve[-1]["train_s"],
+            "steps": steps or curve[-1]["step"]}
+
+
+def test_table_times_and_ratios():
+    tta = _module()
+    dense = _run([(10, 12.0, 0.10), (20, 22.0, 0.20)])  # target 0.20, reached at 22 - 2 = 20 s
+    rows = _run([(10, 4.0, 0.10), (20, 7.0, 0.20)], first=2.0)  # 5 s: 4x dense
+    psgd = _run([(10, 6.0, 0.15), (20, 12.0, 0.19), (30, 17.0, 0.21)])  # 15 s
+    never = _run([(10, 3.0, 0.05), (40, 9.0, 0.19)])
+    ctr = {"tx_bytes": [1000, 1000]}
+    runs = [("dense", dense, ctr), ("dense_rows", rows, ctr), ("powersgd", psgd, ctr), ("topk", never, ctr)]
+    assert tta.first_reach(psgd["curve"], 0.20)["step"] == 30
+    assert tta.first_reach(never["curve"], 0.20) is None
+    table = tta.rate_table("1gbit", runs, 0.20)
+    by_name = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]] for line in table
+               if line.startswith("| ") and not line.startswith("| variant")}
+    assert by_name["dense"][2:5] == ["20", "20.0", "1.00x"]
+    assert by_name["dense_rows"][2:6] == ["20", "5.0", "4.00x", "3.00x"]  # 20/5 vs dense, 15/5 vs powersgd
+    assert by_name["powersgd"][2:6] == ["30", "15.0", "1.33x", "1.00x"]
+    assert by_name["topk"][2:6] == ["never", "> 7.0", "n/a", "n/a"]
+    assert by_name["topk"][6] == "0.1900 (40)" and by_name["topk"][7] == "25"  # 1000 B over 40 steps
