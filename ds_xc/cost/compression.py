@@ -66,16 +66,16 @@ class Calibration:
 
     Defaults: the 2-core CPU machine of benchmarks/results/compression_pays_calibration.md, fitted
     to the reductions of 10^7 elements measured over tc-shaped 1 Gbit/s and 100 Mbit/s links
-    (compression_netns*.md) as (t_measured - the model's transfer) / N. ``dense_ns``: the dense
-    path beyond its transfer (1 Gbit/s: 404.6 ms - 320.1 ms = 8.45 ns); ``<method>_ns``: what the
-    compressed path costs per element beyond ``dense_ns``, the mean over both links (bayes_prior
-    12.2, topk 35.5; randomk -0.6, within the noise of zero: 0.5 keeps a cost for its draws). The
-    loopback runs of the same file scatter by up to 2x around these on the shared cores. For
-    another machine (a GPU selects far faster) pass your own."""
-    dense_ns: float = 8.5
-    topk_ns: float = 35.0
+    (compression_netns*.md, clean revision b0c43ca, an otherwise idle machine) as (t_measured -
+    the model's transfer) / N. ``dense_ns``: the dense path beyond its transfer (1 Gbit/s:
+    366.7 ms - 320.1 ms = 4.66 ns); ``<method>_ns``: what the compressed path costs per element
+    beyond ``dense_ns``, the mean over both links (bayes_prior 8.98, topk 24.0; randomk -0.05,
+    zero within the noise: 0.5 keeps a cost for its draws). Runs on these shared cores while
+    other jobs ran gave up to 2x more. For another machine (a GPU selects far faster) pass your own."""
+    dense_ns: float = 4.7
+    topk_ns: float = 24.0
     randomk_ns: float = 0.5
-    bayes_prior_ns: float = 12.0
+    bayes_prior_ns: float = 9.0
 
     def __post_init__(self):
         for name in ("dense_ns",) + tuple(f"{m}_ns" for m in METHODS):
