@@ -60,3 +60,21 @@ def test_ci_runs_the_readme_test_command_verbatim():
     cmd = re.search(r"Set up and run the tests:\n\n```bash\n(.+)\n```", readme).group(1)
     assert cmd in ci.splitlines()
     assert '-m "not serial"' in cmd and cmd.endswith("python -m pytest -q -m serial")
+
+
+def test_readme_numbers_come_from_clean_revisions():
+    """Every results file the README quotes names, in its header, the committed revision it ran at, and no
+    uncommitted change of that revision (issue 15)."""
+    with open(os.path.join(ROOT, "README.md")) as fh:
+        text = fh.read()
+    results = os.path.join(ROOT, "benchmarks", "results")
+    cited = sorted({m.group(1) for m in re.finditer(r"(?<![\w/])(?:benchmarks/results/)?([\w.]+\.md)", text)
+                    if os.path.exists(os.path.join(results, m.group(1)))
+                    and not text[max(m.start() - 5, 0): m.start()].endswith("docs/")})
+    assert len(cited) >= 5, cited
+    for name in cited:
+        with open(os.path.join(results, name)) as fh:
+            header = fh.read().split("\n## ")[0]
+        revs = [line for line in header.splitlines() if re.search(r"\bgit [0-9a-f]{7,40}\b", line)]
+        assert revs, f"{name}: its header names no git revision"
+        assert not any("uncommitted:" in line for line in revs), f"{name}: ran with uncommitted changes: {revs}"
