@@ -24,7 +24,7 @@ import torch
 from ds_xc.config import HEAD_SECTION, ConfigError
 from ds_xc.parallel import reduction_probe
 from ds_xc.parallel.buckets import BucketedGradReducer
-from ds_xc.parallel.groups import spans_world
+from ds_xc.parallel.groups import copy_subgroups, spans_world
 from ds_xc.parallel.hierarchical import HierarchicalAllReduce
 from ds_xc.parallel.topology import NodeLayout, choose_reduction, detect_layout
 
@@ -131,7 +131,8 @@ def take_over_reduction(engine, plan: DenseReduction, topology, group, rows=()) 
     if plan.hier is None and not rows:
         return None
     params = [p for p in engine.module.parameters() if p.requires_grad]
+    comm = copy_subgroups(group) if rows else None  # the rows' all-gathers; any data-parallel subgroup
     reducer = BucketedGradReducer(params, group, int(topology.bucket_size_mb * 2**20), reduction=plan.hier,
-                                  row_sparse=rows)
+                                  row_sparse=rows, comm_group=comm)
     engine.enable_backward_allreduce = False
     return reducer
