@@ -16,7 +16,7 @@ from ds_xc.compression import (CompressedDDPHook, CompressedOptimizer, NodeGroup
 from ds_xc.compression.compressors import COMPRESSORS
 from ds_xc.compression.powersgd import Q_KEY, Q_STREAM, effective_rank, orthonormalise_, wire_floats
 from ds_xc.compression.seeds import mix_seed
-from ds_xc.compression.transport import allreduce_bytes
+from ds_xc.parallel.collectives import allreduce_bytes
 from ds_xc.config import ConfigError
 from tests.dist_pool import catch
 from tests.test_compression_dist import _train_classifier as train_mlp

@@ -38,9 +38,10 @@ from ds_xc.compression.powersgd import LowRankSteps
 from ds_xc.compression.seeds import mix_seed, seeded_generator
 from ds_xc.compression.state import CompressionState
 from ds_xc.compression.steps import ReductionSteps
-from ds_xc.compression.transport import (DTYPES, NodeGroups, WireCounter, all_gather_slices, allreduce_bytes,
+from ds_xc.compression.transport import (DTYPES, NodeGroups, WireCounter, all_gather_slices,
                                          build_node_groups, dense_allreduce_mean_, reduce_scatter_sum,
                                          sparse_allgather_mean, values_allreduce_mean)
+from ds_xc.parallel.collectives import allreduce_bytes
 from ds_xc.parallel.groups import group_rank, group_size, is_distributed, resolve_group
 
 log = logging.getLogger(__name__)

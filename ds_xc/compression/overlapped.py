@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 
 from ds_xc.compression.config import COMPRESSION_SECTION
-from ds_xc.compression.transport import allreduce_bytes, start_sparse_allgather_mean
+from ds_xc.compression.transport import start_sparse_allgather_mean
 from ds_xc.config import ConfigError, HEAD_SECTION
 from ds_xc.parallel.buckets import BucketedGradReducer
-from ds_xc.parallel.collectives import all_reduce_mean_
+from ds_xc.parallel.collectives import all_reduce_mean_, allreduce_bytes
 
 __all__ = ["OverlappedCompressedReducer"]
 

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ds_xc.parallel.collectives import all_reduce_mean_, gather_flat, reduce_scatter_flat
+from ds_xc.parallel.collectives import all_reduce_mean_, allreduce_bytes, gather_flat, reduce_scatter_flat
 from ds_xc.parallel.groups import block_groups, group_rank, group_ranks, group_size, is_distributed, spans_world
 from ds_xc.parallel.timeline import wait_work
 
@@ -55,11 +55,6 @@ class WireCounter:
 
     def snapshot(self) -> dict:
         return dict(self.__dict__)
-
-
-def allreduce_bytes(num_bytes: int, world: int) -> int:
-    """Bytes one rank sends (and receives) in a ring all-reduce of ``num_bytes``."""
-    return 2 * (world - 1) * num_bytes // world if world > 1 else 0
 
 
 def _encode(idx: torch.Tensor, vals: torch.Tensor, n: int, value_dtype: torch.dtype):

@@ -20,9 +20,9 @@ from typing import Optional
 
 import torch
 
-from ds_xc.parallel.collectives import all_reduce_mean_
-from ds_xc.parallel.sparse_rows import RowSparseMean, dense_ring_bytes
+from ds_xc.parallel.collectives import all_reduce_mean_, allreduce_bytes
 from ds_xc.parallel.groups import copy_group, group_size, is_distributed, resolve_group
+from ds_xc.parallel.sparse_rows import RowSparseMean
 from ds_xc.parallel.timeline import Timeline, wait_work
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,7 @@ class BucketedGradReducer:
         elif self.active:  # the mean in flight; the division waits for finish()
             self._works[b] = all_reduce_mean_(buf, self.comm_group, async_op=True)
         if self.active:
-            self.bytes_sent += dense_ring_bytes(buf.numel(), buf.element_size(), self.world)
+            self.bytes_sent += allreduce_bytes(buf.numel() * buf.element_size(), self.world)
             if self.timeline is not None:
                 self.timeline.issued("grad_reduce", buf.numel() * buf.element_size())
 

@@ -25,7 +25,7 @@ from ds_xc.parallel.groups import group_rank, group_size, is_distributed
 
 __all__ = ["all_gather_rows", "all_gather_no_grad", "replicated_rows", "exchange_sizes", "gather_flat",
            "reduce_scatter_flat", "PaddedGather", "PaddedReduceScatter", "gather_stacked", "merge_topk",
-           "all_reduce_mean_", "PendingMean", "scale_grad"]
+           "all_reduce_mean_", "PendingMean", "scale_grad", "allreduce_bytes"]
 
 # torch 2.13 renamed the flat-tensor collectives; keep older torch (>= 2.4) working too
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -148,6 +148,11 @@ class PendingMean:
             self.tensor.div_(self.world)
             self._divided = True
         return self.tensor
+
+
+def allreduce_bytes(num_bytes: int, world: int) -> int:
+    """Bytes one rank sends (and receives) in a ring all-reduce of ``num_bytes``: 2 (P-1)/P of them."""
+    return 2 * (world - 1) * num_bytes // world if world > 1 else 0
 
 
 def all_reduce_mean_(tensor: torch.Tensor, group=None, async_op: bool = False) -> PendingMean:

@@ -23,10 +23,10 @@ from typing import Callable, Optional
 
 import torch
 
-from ds_xc.parallel.collectives import PaddedGather, PendingMean, exchange_sizes
+from ds_xc.parallel.collectives import PaddedGather, PendingMean, allreduce_bytes, exchange_sizes
 from ds_xc.parallel.groups import group_size, is_distributed
 
-__all__ = ["RowSparseMean", "nonzero_rows", "rows_pay", "dense_ring_bytes", "rows_bytes"]
+__all__ = ["RowSparseMean", "nonzero_rows", "rows_pay", "rows_bytes"]
 
 INDEX_BYTES = 8  # int64 row indices
 
@@ -34,11 +34,6 @@ INDEX_BYTES = 8  # int64 row indices
 def nonzero_rows(grad_ND: torch.Tensor) -> torch.Tensor:
     """Indices (k,) of the rows of a 2-D gradient that hold a nonzero (or non-finite) element, ascending."""
     return (grad_ND != 0).any(dim=1).nonzero().squeeze(1)  # NaN != 0: a NaN row is sent and stays NaN
-
-
-def dense_ring_bytes(numel: int, element_size: int, world: int) -> float:
-    """Bytes a ring all-reduce sends per rank: 2 (P-1)/P of the tensor."""
-    return 2.0 * (world - 1) / world * numel * element_size
 
 
 def rows_bytes(k_max: int, dim: int, element_size: int, world: int) -> float:
@@ -50,7 +45,7 @@ def rows_pay(k_max: int, shape: tuple, element_size: int, world: int) -> bool:
     """Whether sending k_max rows per rank moves fewer bytes than the dense ring (the same answer on every
     rank: it reads only numbers every rank has)."""
     n, dim = shape
-    return rows_bytes(k_max, dim, element_size, world) < dense_ring_bytes(n * dim, element_size, world)
+    return rows_bytes(k_max, dim, element_size, world) < allreduce_bytes(n * dim * element_size, world)
 
 
 class RowSparseMean:
@@ -64,9 +59,9 @@ class RowSparseMean:
     def __init__(self, grad: torch.Tensor, group=None, async_op: bool = False):
         if grad.dim() != 2:
             raise ValueError(f"RowSparseMean: a 2-D gradient is needed, got shape {tuple(grad.shape)}")
-        self.grad, self.group, self.world = grad, group, group_size(group)
+        self.grad, self.world = grad, group_size(group)
         self._pending = None
-        self._gathered = None
+        self._gathered = False
         if not is_distributed(group):
             self.mode, self.nbytes, self.counts = "dense", 0.0, None
             return
@@ -76,7 +71,7 @@ class RowSparseMean:
         esize = grad.element_size()
         if not rows_pay(k_max, tuple(grad.shape), esize, self.world):
             self.mode = "dense"
-            self.nbytes = dense_ring_bytes(grad.numel(), esize, self.world)
+            self.nbytes = allreduce_bytes(grad.numel() * esize, self.world)
             self._pending = PendingMean(grad, group, async_op)
             return
         self.mode = "rows"
