@@ -1,0 +1,134 @@
+"""Tuned vs library defaults, trained: run ``launch/tune.py`` on a DeepSpeed JSON, then train the
+input and the tuned output with ``launch/train.py`` for the same steps and seed, one process and one
+thread each, and compare step time and held-out accuracy (issue 21's "1.5x faster at equal or
+better top-1").
+
+    python benchmarks/tune_train.py                                  # synthetic, 10^5 classes, 150 steps
+    python benchmarks/tune_train.py --num_classes 1000000 --steps 100 --time_budget_s 420
+    python benchmarks/tune_train.py --steps 5 --time_budget_s 20 --out -   # a smoke run, print only
+
+The tuner gets its own fresh cache in a temporary folder, so every run measures its candidates anew.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.harness import ROOT, cpu_model, git_rev, load_average, usable_cores, write_report  # noqa: E402
+
+DEFAULT_CONFIG = os.path.join("benchmarks", "configs", "tune_synthetic_1e6.json")
+DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "tune_synthetic_1e5_train.md")
+
+
+def _env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1",
+                PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p))
+
+
+def _run(cmd: list, timeout: float) -> float:
+    """Run ``cmd`` from the repo root; its wall seconds. A failure raises with the tail of stderr."""
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{shlex.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return time.time() - t0
+
+
+def changed_keys(before, after, prefix: str = "") -> list:
+    """Dotted keys whose values differ between two JSON trees, with (before, after)."""
+    if isinstance(before, dict) and isinstance(after, dict):
+        out = []
+        for key in sorted(set(before) | set(after)):
+            out += changed_keys(before.get(key), after.get(key), f"{prefix}{key}.")
+        return out
+    return [] if before == after else [(prefix.rstrip("."), before, after)]
+
+
+def train(config: str, args, tmp: str, name: str) -> dict:
+    """One launch/train.py run of ``config``; its summary JSON plus the command."""
+    out = os.path.join(tmp, f"{name}_summary.json")
+    cmd = [sys.executable, os.path.join("launch", "train.py"), "--deepspeed_config", config,
+           "--max_steps", str(args.steps), "--eval_every", "0", "--summary_json", out,
+           "--set", f"xc_train.seed={args.seed}", "--set", f"extreme_classification.seed={args.seed}"]
+    print(f"training {name}: {args.steps} steps", flush=True)
+    wall = _run(cmd, args.timeout)
+    with open(out) as fh:
+        res = json.load(fh)
+    res.update(wall=wall, command=shlex.join(["python"] + cmd[1:]))
+    return res
+
+
+def render(args, command: str, started: str, tune_s: float, tune_cmd: str, changes: list, rows: list) -> str:
+    base = rows[0][1]
+    lines = [f"# Tuned vs library defaults, trained ({args.num_classes:,} classes)\n",
+             f"- command: `{command}`", f"- git revision: {git_rev(('ds_xc', 'launch', 'benchmarks'))}",
+             (f"- date: {started}; machine: {cpu_model()}, {usable_cores()} usable cores, load {load_average()} "
+              f"at the end; every process one thread (OMP_NUM_THREADS=1), run one after the other"),
+             (f"- DEFAULTS.json = {args.config} with extreme_classification.num_classes {args.num_classes}; "
+              f"TUNED.json = the output of `{tune_cmd}` ({tune_s:.0f} s wall, a fresh cache)"),
+             f"- training: {args.steps} steps each, seed {args.seed}, held-out top-1/top-5 over all classes\n",
+             "Keys the tuner changed:\n"]
+    lines += [f"- `{key}`: `{json.dumps(old)}` -> `{json.dumps(new)}`" for key, old, new in changes] or ["- none"]
+    lines += ["", "| config | steps | train s | s/step | speed-up per step | held-out top-1 | top-5 | final loss |",
+              "|---|---|---|---|---|---|---|---|"]
+    for name, r in rows:
+        per = r["seconds"] / max(r["steps"], 1)
+        speed = (base["seconds"] / max(base["steps"], 1)) / per
+        lines.append(f"| {name} | {r['steps']} | {r['seconds']:.1f} | {per:.3f} | {speed:.2f}x | {r['top1']:.4f} | "
+                     f"{r['top5']:.4f} | {r['final_loss']:.4f} |")
+    tuned, dflt = rows[1][1], rows[0][1]
+    verdict = "equal or better" if tuned["top1"] >= dflt["top1"] else "lower"
+    lines.append(f"\nTuned top-1 is {verdict} than the defaults' ({tuned['top1'] - dflt['top1']:+.4f}); one seed, one "
+                 f"run each: the step-time ratio carries the machine's load changes between the runs.")
+    lines += ["", "Training commands:", ""] + [f"    {r['command']}" for _, r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> list:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="the DeepSpeed JSON the user starts from")
+    p.add_argument("--num_classes", type=int, default=100000)
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--min_recall", type=float, default=0.9)
+    p.add_argument("--max_memory_gib", type=float, default=4.0)
+    p.add_argument("--time_budget_s", type=float, default=90.0)
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per subprocess")
+    p.add_argument("--out", default=DEFAULT_OUT, help="markdown file ('-': print only)")
+    args = p.parse_args(argv)
+    command = shlex.join(["python", "benchmarks/tune_train.py"] + (sys.argv[1:] if argv is None else list(argv)))
+    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    with open(os.path.join(ROOT, args.config)) as fh:
+        cfg = json.load(fh)
+    cfg["extreme_classification"]["num_classes"] = args.num_classes
+    with tempfile.TemporaryDirectory() as tmp:
+        defaults, tuned = os.path.join(tmp, "DEFAULTS.json"), os.path.join(tmp, "TUNED.json")
+        with open(defaults, "w") as fh:
+            json.dump(cfg, fh, indent=2)
+        tune = [sys.executable, os.path.join("launch", "tune.py"), "--deepspeed_config", defaults, "--out", tuned,
+                "--min_recall", str(args.min_recall), "--max_memory_gib", str(args.max_memory_gib),
+                "--time_budget_s", str(args.time_budget_s), "--cache", os.path.join(tmp, "cache.json")]
+        print(f"tuning {args.config} at {args.num_classes} classes", flush=True)
+        tune_s = _run(tune, args.timeout)
+        with open(tuned) as fh:
+            changes = changed_keys(cfg, json.load(fh))
+        rows = [("library defaults", train(defaults, args, tmp, "defaults")), ("tuned", train(tuned, args, tmp, "tuned"))]
+    tune_cmd = (f"python launch/tune.py --deepspeed_config DEFAULTS.json --min_recall {args.min_recall} "
+                f"--max_memory_gib {args.max_memory_gib} --time_budget_s {args.time_budget_s}")
+    text = render(args, command, started, tune_s, tune_cmd, changes, rows)
+    print(text, flush=True)
+    write_report(args.out, text)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
