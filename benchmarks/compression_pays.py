@@ -188,6 +188,7 @@ def calibrate(density: float, steps: int, repeats: int = 2, sizes=(10**6, 10**7)
 def render(density: float) -> str:
     parts = ["# When gradient compression pays: the cost model's verdicts", "",
              "- command: `python benchmarks/compression_pays.py`" + (f" --density {density}" if density != 0.01 else ""),
+             f"- ds_xc at git {git_rev(('ds_xc', 'benchmarks'))}",
              "- model: ds_xc/cost/compression.py with its default Calibration, latency "
              "50 us per ring step; speedup = t_dense / t_compressed of one step's reduction; "
              "pays >= 1.25x, does not pay < 1.0x", ""]

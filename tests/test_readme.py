@@ -62,19 +62,51 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert '-m "not serial"' in cmd and cmd.endswith("python -m pytest -q -m serial")
 
 
-def test_readme_numbers_come_from_clean_revisions():
-    """Every results file the README quotes names, in its header, the committed revision it ran at, and no
-    uncommitted change of that revision (issue 15)."""
-    with open(os.path.join(ROOT, "README.md")) as fh:
-        text = fh.read()
+REVISION = re.compile(r"\b(?:git(?: revisions?)?|[Rr]evisions?|ds_xc at git)[:\s]+`?[0-9a-f]{7,40}\b")
+
+
+def _results_cited(text: str, results: str) -> set:
+    """Names of top-level files in benchmarks/results/ that ``text`` cites (history/ is not top-level)."""
+    return {m.group(1) for m in re.finditer(r"(?<![\w/])(?:benchmarks/results/)?([\w.]+\.md)", text)
+            if m.group(1) != "README.md" and os.path.exists(os.path.join(results, m.group(1)))
+            and not text[max(m.start() - 5, 0): m.start()].endswith("docs/")}
+
+
+def _code_was_dirty(line: str) -> bool:
+    """True when a header line lists uncommitted files other than results files (the code that ran
+    was not the committed revision)."""
+    m = re.search(r"uncommitted:\s*([^)]*)", line)
+    if not m:
+        return False
+    paths = [p.strip() for p in m.group(1).split(",") if p.strip()]
+    return not paths or any(not p.startswith("benchmarks/results/") for p in paths)
+
+
+def test_readme_and_docs_numbers_come_from_clean_revisions():
+    """Every results file the README or a page of docs/ quotes names, in its header, the committed
+    revision it ran at, with no uncommitted change to the code (issue 15). Superseded runs live in
+    benchmarks/results/history/ and are quoted as history only."""
     results = os.path.join(ROOT, "benchmarks", "results")
-    cited = sorted({m.group(1) for m in re.finditer(r"(?<![\w/])(?:benchmarks/results/)?([\w.]+\.md)", text)
-                    if os.path.exists(os.path.join(results, m.group(1)))
-                    and not text[max(m.start() - 5, 0): m.start()].endswith("docs/")})
-    assert len(cited) >= 5, cited
-    for name in cited:
+    pages = [os.path.join(ROOT, "README.md")] + sorted(
+        os.path.join(ROOT, "docs", n) for n in os.listdir(os.path.join(ROOT, "docs")) if n.endswith(".md"))
+    cited = {}
+    for page in pages:
+        with open(page) as fh:
+            for name in _results_cited(fh.read(), results):
+                cited.setdefault(name, []).append(os.path.basename(page))
+    assert len(cited) >= 20, cited
+    for name, pages_citing in sorted(cited.items()):
         with open(os.path.join(results, name)) as fh:
             header = fh.read().split("\n## ")[0]
-        revs = [line for line in header.splitlines() if re.search(r"\bgit [0-9a-f]{7,40}\b", line)]
-        assert revs, f"{name}: its header names no git revision"
-        assert not any("uncommitted:" in line for line in revs), f"{name}: ran with uncommitted changes: {revs}"
+        revs = [line for line in header.splitlines() if REVISION.search(line)]
+        assert revs, f"{name} (quoted by {pages_citing}): its header names no git revision"
+        assert not any(_code_was_dirty(line) for line in revs), \
+            f"{name} (quoted by {pages_citing}): ran with uncommitted code: {revs}"
+
+
+def test_dirty_code_rule():
+    assert _code_was_dirty("Revision: af08d14 (uncommitted: ds_xc/head/head.py)")
+    assert not _code_was_dirty("Revision: af08d14 (uncommitted: benchmarks/results/a.md, benchmarks/results/b.json)")
+    assert not _code_was_dirty("- git 97e6e6a (no uncommitted files under ds_xc/)")
+    assert REVISION.search("- git revisions: aef4c62, 19e4453 (clean trees)")
+    assert not REVISION.search("- date: 2026-12-01")
