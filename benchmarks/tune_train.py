@@ -24,6 +24,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.harness import ROOT, cpu_model, git_rev, load_average, usable_cores, write_report  # noqa: E402
+from ds_xc.tune import changed_keys  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join("benchmarks", "configs", "tune_synthetic_1e6.json")
 DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "tune_synthetic_1e5_train.md")
@@ -43,14 +44,14 @@ def _run(cmd: list, timeout: float) -> float:
     return time.time() - t0
 
 
-def changed_keys(before, after, prefix: str = "") -> list:
-    """Dotted keys whose values differ between two JSON trees, with (before, after)."""
-    if isinstance(before, dict) and isinstance(after, dict):
-        out = []
-        for key in sorted(set(before) | set(after)):
-            out += changed_keys(before.get(key), after.get(key), f"{prefix}{key}.")
-        return out
-    return [] if before == after else [(prefix.rstrip("."), before, after)]
+def tuned_changes(before: dict, after: dict) -> list:
+    """(dotted key, before, after) for every key the tuner changed (ds_xc.tune.changed_keys finds
+    them; an absent key reads as None)."""
+    def get(tree, key):
+        for part in key.split("."):
+            tree = tree.get(part) if isinstance(tree, dict) else None
+        return tree
+    return [(key, get(before, key), get(after, key)) for key in changed_keys(before, after)]
 
 
 def train(config: str, args, tmp: str, name: str) -> dict:
@@ -60,10 +61,10 @@ def train(config: str, args, tmp: str, name: str) -> dict:
            "--max_steps", str(args.steps), "--eval_every", "0", "--summary_json", out,
            "--set", f"xc_train.seed={args.seed}", "--set", f"extreme_classification.seed={args.seed}"]
     print(f"training {name}: {args.steps} steps", flush=True)
-    wall = _run(cmd, args.timeout)
+    _run(cmd, args.timeout)
     with open(out) as fh:
         res = json.load(fh)
-    res.update(wall=wall, command=shlex.join(["python"] + cmd[1:]))
+    res["command"] = shlex.join(["python"] + cmd[1:])
     return res
 
 
@@ -110,20 +111,20 @@ def main(argv=None) -> list:
     with open(os.path.join(ROOT, args.config)) as fh:
         cfg = json.load(fh)
     cfg["extreme_classification"]["num_classes"] = args.num_classes
+    target = ["--min_recall", str(args.min_recall), "--max_memory_gib", str(args.max_memory_gib),
+              "--time_budget_s", str(args.time_budget_s)]
     with tempfile.TemporaryDirectory() as tmp:
         defaults, tuned = os.path.join(tmp, "DEFAULTS.json"), os.path.join(tmp, "TUNED.json")
         with open(defaults, "w") as fh:
             json.dump(cfg, fh, indent=2)
         tune = [sys.executable, os.path.join("launch", "tune.py"), "--deepspeed_config", defaults, "--out", tuned,
-                "--min_recall", str(args.min_recall), "--max_memory_gib", str(args.max_memory_gib),
-                "--time_budget_s", str(args.time_budget_s), "--cache", os.path.join(tmp, "cache.json")]
+                *target, "--cache", os.path.join(tmp, "cache.json")]
         print(f"tuning {args.config} at {args.num_classes} classes", flush=True)
         tune_s = _run(tune, args.timeout)
         with open(tuned) as fh:
-            changes = changed_keys(cfg, json.load(fh))
+            changes = tuned_changes(cfg, json.load(fh))
         rows = [("library defaults", train(defaults, args, tmp, "defaults")), ("tuned", train(tuned, args, tmp, "tuned"))]
-    tune_cmd = (f"python launch/tune.py --deepspeed_config DEFAULTS.json --min_recall {args.min_recall} "
-                f"--max_memory_gib {args.max_memory_gib} --time_budget_s {args.time_budget_s}")
+    tune_cmd = shlex.join(["python", "launch/tune.py", "--deepspeed_config", "DEFAULTS.json", *target])
     text = render(args, command, started, tune_s, tune_cmd, changes, rows)
     print(text, flush=True)
     write_report(args.out, text)

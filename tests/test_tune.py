@@ -245,10 +245,10 @@ def test_launch_tune_end_to_end(tmp_path):
 def test_tune_train_benchmark_lists_exactly_the_changed_keys():
     """benchmarks/tune_train.py reports which keys the tuner changed: nested, added and removed keys,
     and nothing that stayed equal."""
-    from benchmarks.tune_train import changed_keys
+    from benchmarks.tune_train import tuned_changes
     before = {"a": 1, "ec": {"sampler": {"type": "ann"}, "optimizer": {"lr": 0.1}}, "keep": [1, 2]}
     after = {"a": 1, "ec": {"sampler": {"type": "ann", "sample_rate": 0.05}, "optimizer": {"lr": 0.2}},
              "keep": [1, 2], "new": True}
-    assert changed_keys(before, after) == [("ec.optimizer.lr", 0.1, 0.2), ("ec.sampler.sample_rate", None, 0.05),
-                                           ("new", None, True)]
-    assert changed_keys(before, before) == []
+    assert tuned_changes(before, after) == [("ec.optimizer.lr", 0.1, 0.2), ("ec.sampler.sample_rate", None, 0.05),
+                                            ("new", None, True)]
+    assert tuned_changes(before, before) == []
