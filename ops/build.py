@@ -1,6 +1,6 @@
-"""Prebuild the native Hamming ops into the torch extensions cache.
+"""Prebuild the native ops into the torch extensions cache.
 
-    python -m ds_xc_ops.build            # the C++ CPU op, and the CUDA op when CUDA is available
+    python -m ds_xc_ops.build            # the C++ CPU ops (Hamming scan, optimizer rows), and the CUDA op when CUDA is available
     python -m ds_xc_ops.build --verbose  # show the compiler commands
 
 Later processes then only load the cached library. Exits 1 if a requested op fails.
@@ -23,11 +23,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--verbose", action="store_true", help="print the compiler commands")
     parser.add_argument("--kinds", default="auto",
-                        help="comma-separated ops to build (cpu,cuda); auto: cpu, plus cuda if available")
+                        help="comma-separated ops to build (cpu,rows,cuda); auto: cpu and rows, plus cuda if available")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     kinds = args.kinds.split(",") if args.kinds != "auto" else (
-        ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
+        ["cpu", "rows", "cuda"] if torch.cuda.is_available() else ["cpu", "rows"])
     failed = []
     for kind in kinds:
         start = time.perf_counter()

@@ -1,7 +1,8 @@
-"""DeepSpeed OpBuilders for the Hamming scan kernels, and a loader that falls back.
+"""DeepSpeed OpBuilders for the native kernels, and a loader that falls back.
 
-``HammingBuilder`` (C++/OpenMP, ops/csrc/hamming_cpu.cpp) and ``HammingCudaBuilder``
-(ops/csrc/hamming_cuda.cu + hamming_cuda_binding.cpp) follow DeepSpeed's pattern:
+``HammingBuilder`` (C++/OpenMP, ops/csrc/hamming_cpu.cpp), ``HammingCudaBuilder``
+(ops/csrc/hamming_cuda.cu + hamming_cuda_binding.cpp) and ``RowsBuilder`` (the fused row
+kernels of the head optimizers' lazy steps, ops/csrc/rows_cpu.cpp) follow DeepSpeed's pattern:
 ``load()`` imports a prebuilt op if DeepSpeed's install recorded one, else JIT-compiles
 it with ninja through ``torch.utils.cpp_extension.load`` into the torch extensions cache
 (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions/py<ver>_<cpu|cuXYZ>/<name>``).
@@ -15,6 +16,7 @@ PyTorch implementation.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import platform
@@ -22,7 +24,7 @@ import time
 
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder, OpBuilder
 
-__all__ = ["HammingBuilder", "HammingCudaBuilder", "load_op", "BUILDERS", "CSRC"]
+__all__ = ["HammingBuilder", "HammingCudaBuilder", "RowsBuilder", "load_op", "BUILDERS", "CSRC"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,12 +90,40 @@ class HammingCudaBuilder(CUDAOpBuilder):
         return super().nvcc_args() + ["-lineinfo"]
 
 
-BUILDERS = {"cpu": HammingBuilder, "cuda": HammingCudaBuilder}
+class RowsBuilder(OpBuilder):
+    """C++ CPU kernels: one in-place pass per row for the lazy SGD / AdamW steps and exact catch-ups
+    (at::parallel_for over rows)."""
+
+    NAME = "ds_xc_rows_cpu"
+
+    def __init__(self):
+        super().__init__(name=self.NAME)
+
+    def absolute_name(self):
+        return f"ds_xc_ops.{self.NAME}_op"
+
+    def sources(self):
+        return [os.path.join(CSRC, "rows_cpu.cpp")]  # includes rows_body.h
+
+    def include_paths(self):
+        return [CSRC]
+
+    def cxx_args(self):
+        # no contraction: the loops fuse a multiply-add exactly where PyTorch's kernels do (std::fma).
+        # torch's JIT cache hashes the sources and the flags, not included headers: the header's hash
+        # as a define makes an edit of rows_body.h rebuild the op.
+        with open(os.path.join(CSRC, "rows_body.h"), "rb") as f:
+            body = hashlib.sha1(f.read()).hexdigest()[:16]
+        return ["-O3", "-Wall", "-ffp-contract=off", f"-DDS_XC_ROWS_BODY_SHA={body}"]
+
+
+BUILDERS = {"cpu": HammingBuilder, "cuda": HammingCudaBuilder, "rows": RowsBuilder}
 _OPS: dict = {}  # kind -> loaded module, or None after a failed build (no retry)
 
 
 def load_op(kind: str, verbose: bool = False):
-    """The built op module for `kind` ("cpu" or "cuda"), or None if it cannot be built.
+    """The built op module for `kind` ("cpu" or "cuda": the Hamming scan; "rows": the optimizers'
+    row kernels), or None if it cannot be built.
 
     Builds (or loads from the cache) at most once per process; a failure is logged once
     as a warning, and callers fall back to the PyTorch implementation.
@@ -110,10 +140,10 @@ def load_op(kind: str, verbose: bool = False):
         op = builder.load(verbose=verbose)
     except Exception as exc:  # a compiler error, no ninja, no CUDA: fall back to torch
         msg = str(exc).strip() or repr(exc)
-        logger.warning("ds_xc %s Hamming op unavailable, falling back to the PyTorch "
-                       "implementation: %s: %s", kind, type(exc).__name__, msg[-2000:])
+        logger.warning("ds_xc %s op (%s) unavailable, falling back to the PyTorch "
+                       "implementation: %s: %s", kind, builder.NAME, type(exc).__name__, msg[-2000:])
         op = None
     else:
-        logger.info("ds_xc %s Hamming op ready in %.1f s", kind, time.perf_counter() - start)
+        logger.info("ds_xc %s op (%s) ready in %.1f s", kind, builder.NAME, time.perf_counter() - start)
     _OPS[kind] = op
     return op

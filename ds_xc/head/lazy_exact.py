@@ -85,8 +85,9 @@ def adamw_mats(h: torch.Tensor) -> torch.Tensor:
 class ExactLazyMixin:
     """Per-row "last updated at" counters and the per-step scalar history, in ``optimizer.state[p]``
     (LAST: int64 (L,) on the weight's device; HIST: float64 (capacity, width) on the CPU; STEPS,
-    BASE: ints; history row i is step BASE + 1 + i). Subclasses give ``_exact_mats(hist)`` and
-    ``_exact_apply(p, state, group, rows, q, k)``."""
+    BASE: ints; history row i is step BASE + 1 + i). Subclasses give ``_exact_mats(hist)``,
+    ``_exact_apply(p, state, group, rows, q, k)`` (PyTorch) and ``_exact_native(p, state, group, rows,
+    coef)`` (the fused kernel of ds_xc_ops.rows; False where it cannot run)."""
 
     def _exact_begin(self, p: torch.Tensor, rows, scalars) -> None:
         """Before this step's update of ``p``: catch the rows about to be updated (``rows`` (R,), or
@@ -129,6 +130,8 @@ class ExactLazyMixin:
         coef = suffix_products(self._exact_mats(h)).to(p.device)  # (n + 1, 2, 2) float64
         k = steps - a  # (S,) skipped steps per row
         group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        if self._exact_native(p, state, group, sel, coef):  # the fused C++ kernel marked the rows current
+            return
         for b in range(0, sel.numel(), _BLOCK):
             s = slice(b, b + _BLOCK)
             self._exact_apply(p, state, group, sel[s], coef.index_select(0, k[s]), k[s])

@@ -41,8 +41,9 @@ import torch
 from torch.optim import Optimizer
 
 from ds_xc import config as cfg
+from ds_xc_ops import rows as native_rows
 from ds_xc.head.bf16 import BF16_UPDATES, round_to_bf16
-from ds_xc.head.lazy_exact import HIST, ExactLazyMixin, adamw_mats, sgd_mats
+from ds_xc.head.lazy_exact import HIST, LAST, STEPS, ExactLazyMixin, adamw_mats, sgd_mats
 
 __all__ = ["HeadSGD", "HeadAdamW", "build_head_optimizer", "resolved_update"]
 
@@ -190,6 +191,12 @@ class HeadSGD(_HeadOptimizer):
         buf.index_copy_(0, rows, b.to(buf.dtype))
 
     @staticmethod
+    def _exact_native(p, state, group, rows, coef):
+        """The catch-up in one fused pass per row (ds_xc_ops.rows); False: take _exact_apply."""
+        buf = state.get("momentum_buffer")
+        return buf is not None and native_rows.sgd_catch_up(p, buf, state[LAST], rows, coef, state[STEPS])
+
+    @staticmethod
     def _update(p, g, buf, lr, mu, wd, nesterov):
         """One block (or gathered rows): returns the step d; updates buf in place."""
         d = g.add(p, alpha=wd) if wd else g.clone()
@@ -224,6 +231,8 @@ class HeadSGD(_HeadOptimizer):
                         d = self._update(p[s], g[s], None if buf is None else buf[s], lr, mu, wd, nest)
                         p[s].add_(d, alpha=-lr)
                     continue
+                if buf is not None and native_rows.sgd_step(p, buf, rows, g, lr, mu, wd, nest):
+                    continue  # one fused pass per row (CPU)
                 for s in _blocks(rows.numel()):  # gathered row copies: block-sized temporaries
                     r = rows[s]
                     b = None if buf is None else buf.index_select(0, r)  # (R_block, d)
@@ -281,6 +290,13 @@ class HeadAdamW(_HeadOptimizer):
         v.index_copy_(0, rows, vr.mul_((b2 ** kf).to(v.dtype)))
 
     @staticmethod
+    def _exact_native(p, state, group, rows, coef):
+        """The catch-up in one fused pass per row (ds_xc_ops.rows); False: take _exact_apply."""
+        b1, b2 = group["betas"]
+        return native_rows.adamw_catch_up(p, state["exp_avg"], state["exp_avg_sq"], state[LAST], rows, coef,
+                                          state[STEPS], b1, b2)
+
+    @staticmethod
     def _update(p, g, m, v, lr, b1, b2, eps, wd, bc1, bc2):
         """One block, in place on p, m, v (p, m, v may be gathered row copies)."""
         if wd:
@@ -318,6 +334,8 @@ class HeadAdamW(_HeadOptimizer):
                     for s in _blocks(p.shape[0]):
                         self._update(p[s], g[s], m[s], v[s], *hyper)
                     continue
+                if native_rows.adamw_step(p, m, v, rows, g, *hyper):
+                    continue  # one fused pass per row (CPU)
                 for s in _blocks(rows.numel()):  # gathered row copies: block-sized temporaries
                     r = rows[s]
                     pr, mr, vr = p.index_select(0, r), m.index_select(0, r), v.index_select(0, r)
@@ -332,6 +350,10 @@ class HeadAdamW(_HeadOptimizer):
         self._generator(p.device)
         w_src = self._bf16_weight(p, self.state[p])
         n = p.shape[0] if rows is None else rows.numel()
+        if rows is not None and w_src is not p and native_rows.adamw_step(w_src, m, v, rows, g.float(), *hyper):
+            for s in _blocks(n):  # master_fp32: the fused kernel, as a float32 head's lazy step runs it
+                self._put(p, rows[s], w_src.index_select(0, rows[s]))
+            return
         for s in _blocks(n):
             sel = s if rows is None else rows[s]  # a block of rows, or a block of row ids
             w, mb, vb = _get(w_src, sel), _get(m, sel), _get(v, sel)  # (B, d) float32 each
