@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 __all__ = ["distinct_rows", "Shape", "Constants", "StepTime", "shape_of", "head_work", "predict_step_time", "calibrate",
            "load_or_calibrate", "global_batch_of"]
 
-CONSTANTS_VERSION = 4
+CONSTANTS_VERSION = 5
 
 
 # --------------------------------------------------------------------------- the shape of one step
@@ -183,7 +183,7 @@ def head_work(shape: Shape) -> dict:
 class Constants:
     """Seconds per unit of work on this machine (``calibrate``); per-sampler fixed overheads."""
     matmul_s_per_flop: float = 1.0 / 40e9
-    elem_s: float = 4e-9  # per logit: softmax, margin, their backward
+    elem_s: float = 4e-9  # per logit: softmax, margin, their backward (in the fused loss)
     gather_s_per_byte: float = 1.0 / 4e9
     scan_s_per_rowq: float = 3e-9  # Hamming distance of one row and one query at 512 bits
     dense_update_s: dict = field(default_factory=lambda: {"sgd": 2e-9, "adamw": 5e-9})
@@ -257,12 +257,16 @@ def _calibrate_kernels(c: Constants, gen: torch.Generator) -> None:
     n, d, m = 512, 128, 16384
     x, w = torch.randn(n, d, generator=gen), torch.randn(m, d, generator=gen)
     c.matmul_s_per_flop = _best_time(lambda: x @ w.t()) / (2.0 * n * m * d)
-    z = torch.randn(n, m, generator=gen)
-
-    def softmax_fwd_bwd():
-        zz = z.detach().requires_grad_(True)
-        torch.logsumexp(zz, dim=1).sum().backward()
-    c.elem_s = _best_time(softmax_fwd_bwd) / (n * m)
+    # The element-wise share of the loss, from the head's own fused loss (ds_xc/head/softmax.py: the
+    # logits computed, turned into their gradient in place and multiplied out, chunk by chunk) at
+    # the head's usual chunk of rows: its time minus its 6 n m d matmul FLOPs at the rate above. A
+    # stand-alone autograd softmax costs several times more per element than the fused loop does.
+    from ds_xc.head.margins import build_loss
+    from ds_xc.head.softmax import fused_loss_and_grads
+    targets = torch.randint(0, m, (n,), generator=gen)
+    margin = build_loss({"type": "cosface"})
+    fused = _best_time(lambda: fused_loss_and_grads(x, w, targets, margin, None, 128))
+    c.elem_s = max(fused - 6.0 * n * m * d * c.matmul_s_per_flop, 0.1 * fused) / (n * m)
     table = torch.randn(1 << 18, d, generator=gen)
     idx = torch.randint(0, table.shape[0], (1 << 16,), generator=gen)
     c.gather_s_per_byte = _best_time(lambda: table.index_select(0, idx)) / (idx.numel() * d * 4)
