@@ -19,6 +19,10 @@ caught up on the zero-gradient steps it skipped, so the trajectory is the dense 
 exactly, AdamW up to the eps of the skipped steps); ``catch_up_all()`` brings every row up
 to date. See ds_xc/head/lazy_exact.py.
 
+On the CPU the lazy step and the exact catch-up of float32 / float64 rows run in fused C++ row
+kernels (ds_xc_ops.rows: one in-place pass per row, SGD with the PyTorch path's bits, AdamW within
+an ulp); other devices and dtypes, and ``DS_XC_NATIVE_ROWS=0``, take the PyTorch code below.
+
 State lives in ``optimizer.state[p]`` so that ``state_dict()`` round-trips. Devices and
 dtypes: state tensors follow the weight's device at the next step (after ``head.to(device)``;
 ``step`` stays a CPU scalar, as torch keeps it); their dtype is the one they were created
