@@ -37,10 +37,11 @@ def _popcnt_flags() -> list:
     return ["-mpopcnt"] if platform.machine() in ("x86_64", "AMD64") else []
 
 
-class HammingBuilder(OpBuilder):
-    """C++ CPU kernel: OpenMP over queries, 64/32-bit popcount, bucket top-k selection."""
+class _DsXcOp:
+    """What every ds_xc op builder shares (mixed in before DeepSpeed's builder class): the name
+    ``NAME``, the module it installs as (``ds_xc_ops.<NAME>_op``) and the headers in ops/csrc/."""
 
-    NAME = "ds_xc_hamming_cpu"
+    NAME = ""
 
     def __init__(self):
         super().__init__(name=self.NAME)
@@ -48,11 +49,17 @@ class HammingBuilder(OpBuilder):
     def absolute_name(self):
         return f"ds_xc_ops.{self.NAME}_op"
 
-    def sources(self):
-        return [os.path.join(CSRC, "hamming_cpu.cpp")]
-
     def include_paths(self):
         return [CSRC]
+
+
+class HammingBuilder(_DsXcOp, OpBuilder):
+    """C++ CPU kernel: OpenMP over queries, 64/32-bit popcount, bucket top-k selection."""
+
+    NAME = "ds_xc_hamming_cpu"
+
+    def sources(self):
+        return [os.path.join(CSRC, "hamming_cpu.cpp")]
 
     def cxx_args(self):
         return ["-O3", "-fopenmp", "-Wall", *_popcnt_flags()]
@@ -61,23 +68,14 @@ class HammingBuilder(OpBuilder):
         return ["-fopenmp"]
 
 
-class HammingCudaBuilder(CUDAOpBuilder):
+class HammingCudaBuilder(_DsXcOp, CUDAOpBuilder):
     """CUDA kernel: one thread block per query, shared-memory histogram + radix select."""
 
     NAME = "ds_xc_hamming_cuda"
 
-    def __init__(self):
-        super().__init__(name=self.NAME)
-
-    def absolute_name(self):
-        return f"ds_xc_ops.{self.NAME}_op"
-
     def sources(self):
         return [os.path.join(CSRC, "hamming_cuda_binding.cpp"),
                 os.path.join(CSRC, "hamming_cuda.cu")]
-
-    def include_paths(self):
-        return [CSRC]
 
     def is_compatible(self, verbose=False):
         import torch
@@ -90,23 +88,14 @@ class HammingCudaBuilder(CUDAOpBuilder):
         return super().nvcc_args() + ["-lineinfo"]
 
 
-class RowsBuilder(OpBuilder):
+class RowsBuilder(_DsXcOp, OpBuilder):
     """C++ CPU kernels: one in-place pass per row for the lazy SGD / AdamW steps and exact catch-ups
     (at::parallel_for over rows)."""
 
     NAME = "ds_xc_rows_cpu"
 
-    def __init__(self):
-        super().__init__(name=self.NAME)
-
-    def absolute_name(self):
-        return f"ds_xc_ops.{self.NAME}_op"
-
     def sources(self):
         return [os.path.join(CSRC, "rows_cpu.cpp")]  # includes rows_body.h
-
-    def include_paths(self):
-        return [CSRC]
 
     def cxx_args(self):
         # no contraction: the loops fuse a multiply-add exactly where PyTorch's kernels do (std::fma).
