@@ -49,6 +49,16 @@ def _setup(kind: str, num: int, dim: int, active: int, seed: int):
     return w, opt, rows, grad
 
 
+def _prepared(kind: str, part: str, num: int, dim: int, active: int):
+    """(weight, active rows, the call to time) on fresh state: the step on their sparse gradient
+    ("step") or their catch-up ("catch_up")."""
+    w, opt, rows, grad = _setup(kind, num, dim, active, 0)
+    if part == "step":
+        w.grad = grad
+        return w, rows, opt.step
+    return w, rows, lambda: opt.catch_up(rows)
+
+
 def _time(fn, native: bool) -> float:
     os.environ[native_rows.ENV] = "1" if native else "0"
     t = time.perf_counter()
@@ -59,26 +69,14 @@ def _time(fn, native: bool) -> float:
 def measure(kind: str, part: str, num: int, dim: int, active: int, repeats: int) -> dict:
     """Median seconds of ``part`` ("step" or "catch_up") with and without the kernels, and whether the
     two paths agree."""
-    out = {}
-    results = {}
-    for native in (True, False):
-        w, opt, rows, grad = _setup(kind, num, dim, active, 0)
-        if part == "step":
-            w.grad = grad
-            fn = opt.step
-        else:
-            fn = lambda: opt.catch_up(rows)  # noqa: E731
-        _time(fn, native)  # warm-up (and the result compared below)
+    results, out = {}, {True: [], False: []}
+    for native in (True, False):  # warm-up, and the result the two paths must agree on
+        w, rows, fn = _prepared(kind, part, num, dim, active)
+        _time(fn, native)
         results[native] = w.detach()[rows[:1000]].clone()
-        out[native] = []
     for _ in range(repeats):  # interleaved: each timed call on fresh state of its own
         for native in (True, False):
-            w, opt, rows, grad = _setup(kind, num, dim, active, 0)
-            if part == "step":
-                w.grad = grad
-                out[native].append(_time(opt.step, native))
-            else:
-                out[native].append(_time(lambda: opt.catch_up(rows), native))
+            out[native].append(_time(_prepared(kind, part, num, dim, active)[2], native))
     same = torch.equal(results[True], results[False])
     close = torch.allclose(results[True], results[False], rtol=1e-6, atol=1e-7)
     return {"native": statistics.median(out[True]), "torch": statistics.median(out[False]),

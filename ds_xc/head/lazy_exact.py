@@ -128,10 +128,10 @@ class ExactLazyMixin:
         first = int(a.min())
         h = state[HIST][first - state[BASE]: steps - state[BASE]]  # (n, width) steps first+1..steps
         coef = suffix_products(self._exact_mats(h)).to(p.device)  # (n + 1, 2, 2) float64
-        k = steps - a  # (S,) skipped steps per row
         group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
         if self._exact_native(p, state, group, sel, coef):  # the fused C++ kernel marked the rows current
             return
+        k = steps - a  # (S,) skipped steps per row
         for b in range(0, sel.numel(), _BLOCK):
             s = slice(b, b + _BLOCK)
             self._exact_apply(p, state, group, sel[s], coef.index_select(0, k[s]), k[s])
