@@ -123,16 +123,25 @@ class AnnSampler(_Section):
                            "next lists by centroid score are added until the share is covered, and a shard "
                            "within its share is scanned flat (the scan costs ~3 ns per row and query at 512 "
                            "bits on one CPU core); 0 = nprobe lists only.")
-    top_k: int = Field(64, ge=1, le=4096, description="Classes retrieved per sample on each shard.")
+    top_k: int = Field(64, ge=1, le=4096, description="Classes retrieved per sample, over the whole head "
+                       "(scan_budget head): each shard keeps its share ceil(top_k * num_local / num_classes), "
+                       "at least top_k_min, of its re-ranked candidates, so the rows retrieved, re-encoded and "
+                       "gathered per rank shrink with more ranks; per shard under scan_budget shard.")
+    top_k_min: int = Field(16, ge=1, le=4096, description="Least classes a shard retrieves per sample under "
+                           "scan_budget head (capped at top_k). With rerank on, the kept rows are a shard's "
+                           "best candidates by exact score, so any value >= 10 leaves recall@10 in the union of "
+                           "the shards equal to keeping top_k on every shard wherever a shard's rerank share is "
+                           "at least top_k (at the defaults: up to 4 ranks).")
     rerank: int = Field(256, ge=0, le=16384, description="Candidates per sample re-ranked by the exact "
                         "cosine before keeping top_k, over the whole head (scan_budget head): each shard "
                         "re-ranks its share ceil(rerank * num_local / num_classes), at least top_k (0 = rank "
                         "by Hamming distance only).")
     scan_budget: Literal["head", "shard"] = Field(
-        "head", description="What scan_rows and rerank count: head = rows and candidates per query over all "
-        "shards, each shard taking its share of its classes (the same recall and total work at any world "
-        "size); shard = per shard, whatever the world size (the behaviour before issue 16: every rank "
-        "scans scan_rows rows per query, so the scan does not shrink with more ranks).")
+        "head", description="What scan_rows, rerank and top_k count: head = rows, candidates and retrieved "
+        "classes per query over all shards, each shard taking its share of its classes (the same recall and "
+        "total work at any world size); shard = per shard, whatever the world size (the behaviour before "
+        "issue 16: every rank scans scan_rows rows and keeps top_k classes per query, so retrieval does not "
+        "shrink with more ranks).")
     retrieved_share: float = _retrieved_share_field("retrieved classes")
     groups: int = Field(1, ge=1, le=1024, description="Sample groups G: the global batch is split into G "
                         "groups, each with its own active set.")

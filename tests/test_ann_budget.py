@@ -80,3 +80,43 @@ def test_each_rank_scans_its_share_and_retrieves_as_a_single_process(pools, worl
         w = init_shard(C, D, start, num, 0.5, SEED, torch.float64)
         ref.rebuild(w)
         torch.testing.assert_close(r["retrieved"], ref.retrieve(r["queries"], w), rtol=0, atol=0)
+
+
+def test_top_k_is_a_head_budget_with_a_floor():
+    s = _sampler(100, 0, 0, top_k=12, rerank=24, top_k_min=2)
+    assert s.budgets()[2] == max(2, shard_share(12, 100, C)) == 4
+    assert _sampler(100, 0, 0, top_k=12, rerank=24).budgets()[2] == 12  # the floor min(top_k, top_k_min)
+    assert _sampler(100, 0, 0, top_k=12, rerank=24, top_k_min=5).budgets()[2] == 5
+    assert _sampler(100, 0, 0, top_k=12, rerank=24, top_k_min=2, scan_budget="shard").budgets()[2] == 12
+    assert _sampler(3, 0, 0, top_k=12, rerank=24, top_k_min=5).budgets() == (2, 3, 3)  # capped at the shard
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_top_k_shares_keep_the_best_candidates_and_recall_at_10(world):
+    """Each shard's top_k share is the prefix of what keeping top_k on every shard retrieves (both
+    keep the best re-ranked candidates by exact score), so with shares >= 10 the union over the
+    shards holds exactly the same classes of every query's exact top-10 (where the re-rank share is at
+    least top_k, so both rules re-rank the same candidates)."""
+    over = {"top_k": 40, "rerank": 150, "nprobe": 2}
+    g = torch.Generator().manual_seed(11)
+    w_all = torch.randn(C, D, generator=g, dtype=torch.float64)
+    queries = torch.nn.functional.normalize(torch.randn(23, D, generator=g), dim=1)
+    exact = (queries.double() @ torch.nn.functional.normalize(w_all, dim=1).t()).topk(10, dim=1).indices  # (Q, 10)
+    unions = {}
+    for floor in (10, 40):  # 40: every shard keeps top_k (the per-shard rule)
+        got = []
+        for rank in range(world):
+            start, num = shard_range(C, world, rank)
+            s = _sampler(num, start, rank, top_k_min=floor, **over)
+            w = w_all[start: start + num]
+            s.rebuild(w)
+            ids = s.retrieve(queries, w)  # (Q, k)
+            assert ids.shape[1] == (max(10, shard_share(40, num, C)) if floor == 10 else 40)
+            got.append(torch.where(ids >= 0, ids + start, -1))
+        unions[floor] = got
+    for shares, full in zip(unions[10], unions[40]):
+        assert shares.shape[1] < full.shape[1] or world == 1
+        torch.testing.assert_close(shares, full[:, : shares.shape[1]], rtol=0, atol=0)
+    hit = {f: torch.stack([torch.isin(exact[q], torch.cat([u[q] for u in unions[f]])).sum() for q in range(23)])
+           for f in unions}
+    assert torch.equal(hit[10], hit[40]) and int(hit[40].sum()) > 0

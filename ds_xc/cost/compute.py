@@ -43,6 +43,7 @@ from typing import Optional
 import torch
 
 from ds_xc.config import parse_config, resolve_update
+from ds_xc.sampling.ann.sampler import retrieval_budgets
 
 log = logging.getLogger(__name__)
 
@@ -97,16 +98,12 @@ def global_batch_of(raw: dict, world_size: int) -> int:
 
 
 def _ann_budgets(s, L: int, C: int) -> tuple[int, int, int, int]:
-    """(S, R, k, nlist) of an ann sampler section on a shard of L of C classes (as AnnSampler.budgets
-    and AnnIndex: head-wide budgets split by share, the nprobe lists' rows at least)."""
-    k = min(s.top_k, L)
-    scan, rerank = s.scan_rows, s.rerank
-    if s.scan_budget == "head":
-        scan = math.ceil(scan * L / C)
-        rerank = max(k, math.ceil(rerank * L / C)) if rerank else 0
+    """(S, R, k, nlist) of an ann sampler section on a shard of L of C classes (the sampler's
+    retrieval_budgets, and AnnIndex's list count: the nprobe lists' rows at least)."""
+    scan, rerank, k = retrieval_budgets(s, L, C)
     nlist = min(L, s.nlist or max(1, round(math.sqrt(L))))
     lists_rows = math.ceil(min(s.nprobe, nlist) * L / nlist)
-    return min(L, max(scan, lists_rows)), min(rerank, L), k, nlist
+    return min(L, max(scan, lists_rows)), rerank, k, nlist
 
 
 def shape_of(raw: dict, *, world_size: int, num_classes: Optional[int] = None,

@@ -65,7 +65,7 @@ from typing import Optional
 
 from ds_xc import config as cfg
 from ds_xc.head.partition import shard_range
-from ds_xc.sampling.ann.sampler import shard_share
+from ds_xc.sampling.ann.sampler import retrieval_budgets
 from ds_xc.sampling.base import budget
 
 __all__ = ["MemoryEstimate", "estimate_memory", "process_memory"]
@@ -170,7 +170,7 @@ def _sampler_persistent(head: cfg.HeadConfig, sh: _Shape, update: str) -> dict:
         if update == "dense" and s.encode_interval:
             index += 4 * sh.L * dim + 4 * sh.L  # refresh tracking (AnnIndex.encoded_from, radius)
         out["ann_index"] = index
-        top_k = min(s.top_k, sh.L)
+        top_k = retrieval_budgets(s, sh.L, head.num_classes)[2]
         out["sampler_buffers"] = 8 * sh.N * top_k + 8 * min(sh.K, sh.N * (top_k + 1))
     elif s.type == "knn" and sh.K < sh.L:
         out["knn_graph"] = 8 * sh.L * min(s.neighbors, sh.L - 1)
@@ -225,8 +225,7 @@ def _train_phases(head: cfg.HeadConfig, sh: _Shape, update: str) -> dict:
     s = head.sampler
     if s.type == "ann" and sh.K < sh.L:
         dim, c = _ann_dims(head, sh)
-        rerank = s.rerank if s.scan_budget == "shard" else shard_share(s.rerank, sh.L, head.num_classes)
-        rerank = min(max(rerank, min(s.top_k, sh.L)) if s.rerank else 0, sh.L)
+        rerank = retrieval_budgets(s, sh.L, head.num_classes)[1]
         phases["ann_search"] = {"probe_scores": 29 * sh.N * c, "query_codes": sh.N * s.code_bits // 8,
                                 "rerank": 8 * sh.N * rerank + 4 * min(_RERANK_CHUNK, sh.N) * rerank * dim}
     return phases

@@ -86,12 +86,12 @@ def _chunk_step(x, w, rw, t, loss: TargetLoss, red: Reducer, need_grad: bool, bu
 
     if loss.separate_target:  # D-Softmax: the target leaves the partition function
         logits.scatter_(1, tt, torch.where(has_t, float("-inf"), logits.gather(1, tt).squeeze(1))[:, None])
-        m = red.max_(logits.max(dim=1).values).clamp_min_(0.0)  # the "1 +" term is logit 0
+        m = red.max_(logits.amax(dim=1)).clamp_min_(0.0)  # the "1 +" term is logit 0
     else:
         z_t, dz_t = loss.target_logit(c_t)
         z_t = torch.where(has_t, z_t, logits.gather(1, tt).squeeze(1))
         logits.scatter_(1, tt, z_t[:, None])
-        m = red.max_(logits.max(dim=1).values)  # (n,)
+        m = red.max_(logits.amax(dim=1))  # (n,)
 
     e = logits.sub_(m[:, None]).exp_()  # (n, K) unnormalised probabilities, in the buffer
     stats = torch.stack([e.sum(dim=1), c_t if loss.separate_target else torch.where(has_t, z_t, zero)], 1)

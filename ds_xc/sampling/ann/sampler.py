@@ -1,7 +1,7 @@
 """ANN softmax sampler: the classes of highest logit, retrieved per sample from the index.
 
 Legend: N rows of the global batch, d dim, L classes of the shard, K budget per group,
-G groups, r = top_k retrieved per row.
+G groups, r = classes retrieved per row on this shard (its share of top_k: retrieval_budgets).
 
 Per step and rank: the normalised gathered embeddings query this shard's index (binary
 codes + inverted file, optional exact re-rank); the global batch is split into G groups
@@ -36,7 +36,7 @@ from ds_xc.sampling.base import ActiveSet, Sampler, budget, local_targets, rebui
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AnnSampler", "group_bounds", "shard_share"]
+__all__ = ["AnnSampler", "group_bounds", "retrieval_budgets", "shard_share"]
 
 
 def shard_share(total: int, num_local: int, num_classes: int) -> int:
@@ -48,6 +48,26 @@ def shard_share(total: int, num_local: int, num_classes: int) -> int:
     if total <= 0 or num_classes <= 0:
         return 0
     return -(-int(total) * int(num_local) // int(num_classes))
+
+
+def retrieval_budgets(config, num_local: int, num_classes: int) -> tuple[int, int, int]:
+    """(scan_rows, rerank, top_k) per query on a shard of ``num_local`` of ``num_classes`` classes.
+
+    ``scan_budget: head``: the three counts are budgets of the whole head and each shard takes its
+    share of its classes (``shard_share``): the top_k share at least ``min(top_k, top_k_min)``, the
+    re-rank share at least the shard's top_k. So the scan, the re-rank, the retrieved rows (and the
+    rows re-encoded and gathered after them) shrink with more ranks while the union over the
+    shards covers what one rank would do. ``shard``: the configured counts on every shard.
+    Every count is capped at the shard (the scan is not: a shard within it is scanned flat).
+    """
+    c = config
+    k, scan, rerank = c.top_k, c.scan_rows, c.rerank
+    if c.scan_budget == "head":
+        scan = shard_share(scan, num_local, num_classes)
+        k = max(min(c.top_k, c.top_k_min), shard_share(c.top_k, num_local, num_classes))
+        rerank = max(min(k, num_local), shard_share(rerank, num_local, num_classes)) if rerank else 0
+    k = min(k, num_local)
+    return scan, min(rerank, num_local), k
 
 
 def group_bounds(num_rows: int, groups: int) -> list:
@@ -160,20 +180,8 @@ class AnnSampler(Sampler):
 
     # ------------------------------------------------------------------ sampling
     def budgets(self) -> tuple[int, int, int]:
-        """(scan_rows, rerank, top_k) per query on this shard.
-
-        ``scan_budget: head``: scan_rows and rerank are budgets of the whole head, and this
-        shard takes its share of its classes (``shard_share``), the re-rank at least top_k;
-        so the scan and the re-rank shrink with more ranks, while the union over the shards
-        covers what one rank would scan. ``shard``: the configured counts on every shard.
-        """
-        c = self.config
-        k = min(c.top_k, self.num_local)
-        scan, rerank = c.scan_rows, c.rerank
-        if c.scan_budget == "head":
-            scan = shard_share(scan, self.num_local, self.num_classes)
-            rerank = max(k, shard_share(rerank, self.num_local, self.num_classes)) if rerank else 0
-        return scan, min(rerank, self.num_local), k
+        """(scan_rows, rerank, top_k) per query on this shard (``retrieval_budgets``)."""
+        return retrieval_budgets(self.config, self.num_local, self.num_classes)
 
     def retrieve(self, queries: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Local ids (N, top_k) of each unit query's best classes (-1 where fewer exist)."""
