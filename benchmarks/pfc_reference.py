@@ -149,10 +149,14 @@ class PartialFCReference(nn.Module):
         group: the process group the classes are sharded over (None: the world, or one process).
         weight: the initial (L, d) shard (None: N(0, 0.01^2) from ``seed``).
         seed: seed of the initial weights (when ``weight`` is None) and of the sampling.
+        device: where the shard and the sampling generator live (None: the CPU). On a GPU the
+            random scores are drawn there, as Partial FC does (``torch.rand`` on the device), so a
+            step moves nothing between host and device; the sampled classes then differ from a
+            CPU run with the same seed (another generator).
     """
 
     def __init__(self, embedding_dim: int, num_classes: int, loss: dict, sample_rate: float = 1.0,
-                 group=None, weight: Optional[torch.Tensor] = None, seed: int = 0):
+                 group=None, weight: Optional[torch.Tensor] = None, seed: int = 0, device=None):
         super().__init__()
         if loss.get("type") not in ("arcface", "cosface"):
             raise ValueError(f"loss.type: got {loss.get('type')!r}; allowed: 'arcface', 'cosface'")
@@ -172,7 +176,9 @@ class PartialFCReference(nn.Module):
         if tuple(weight.shape) != (self.num_local, embedding_dim):
             raise ValueError(f"weight: got shape {tuple(weight.shape)}; rank {self.rank} holds "
                              f"({self.num_local}, {embedding_dim})")
-        self.weight = nn.Parameter(weight.detach().clone())
+        self.weight = nn.Parameter(weight.detach().to(device).clone())
+        if self.weight.device.type != "cpu":  # the scores are drawn where the shard lives
+            self.generator = torch.Generator(device=self.weight.device).manual_seed(int(seed) * 1_000_003 + self.rank)
         self.last_index: Optional[torch.Tensor] = None  # (K,) local ids sampled by the last step
 
     def sample(self, local: torch.Tensor, mine: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,7 +186,8 @@ class PartialFCReference(nn.Module):
         with torch.no_grad():
             positives = torch.unique(local[mine])  # sorted distinct positives of this shard
             if positives.numel() <= self.num_sample:
-                scores = torch.rand(self.num_local, generator=self.generator)  # (L,) in [0, 1)
+                scores = torch.rand(self.num_local, generator=self.generator,
+                                    device=self.generator.device)  # (L,) in [0, 1)
                 scores[positives] = 2.0  # above every random score: always kept
                 index = torch.topk(scores, self.num_sample).indices.sort().values  # (K,)
             else:

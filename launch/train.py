@@ -357,6 +357,7 @@ def _finish(job: Job) -> dict:
                "sampler": job.hcfg.sampler.type, "num_classes": job.hcfg.num_classes, "active": _active_share(job),
                "top1": ev["top1"], "top5": ev["top5"], "eval_samples": ev["samples"],
                "final_loss": final_loss, "final_lr": _lr(job), "seconds": elapsed, "world_size": job.world,
+               "device": str(xc.engine.device), "head_device": str(xc.head.weight.device),
                "evals": job.history, "sampler_stats": xc.head.sampler_stats(),
                "compression_stats": _compression_stats(xc), "overlap_stats": xc.overlap_stats().get("mean", {}),
                "verification": verified,
