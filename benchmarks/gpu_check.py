@@ -21,8 +21,9 @@ Steps, each printed as one line ``CHECK <name>: PASS | FAIL | SKIP (<why>)``:
 6. ``train_job``: the README's main job (``deepspeed launch/train.py`` on configs/default.json) on the
    GPU through the DeepSpeed launcher; its held-out top-1 against the CPU run's.
 7. ``parity_tests``: the GPU parity tests (CUDA Hamming and Triton kernels against the PyTorch
-   reference, on CUDA tensors; the bf16 head's CUDA test) through pytest, last: their Triton
-   compiles take the longest to predict.
+   reference, on CUDA tensors; the bf16 head's CUDA test) through pytest.
+8. ``profile``: torch.profiler over three steps of each timed variant at 10^6 classes, d = 128,
+   bf16: wall vs device-busy time, kernel launches and host syncs per step, the top ops.
 
 The results go to one Markdown file (``--out``, default benchmarks/results/gpu_check.md; with
 ``--dry-run`` benchmarks/results/gpu_check_dry_run.md), rewritten after every check so that a run cut
@@ -80,7 +81,8 @@ def check_env(ctx: dict):
     import torch
     parts = [f"python {platform.python_version()}", f"torch {torch.__version__}"]
     if torch.cuda.is_available():
-        parts.append(f"CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}")
+        parts.append(f"CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}, "
+                     f"TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST')!r}")
     else:
         parts.append("no CUDA device")
     try:
@@ -335,6 +337,109 @@ def check_timing(ctx: dict):
     return "PASS", detail
 
 
+# ----------------------------------------------------------------------------- profile
+PROFILE_CASE = {"full": (10**6, 128, "bfloat16"), "dry": (20_000, 32, "bfloat16")}
+PROFILE_STEPS = 3
+
+
+def _event_time(e, kind: str) -> float:
+    """Self time (us) of a profiler average on the device or the CPU, across torch versions."""
+    if kind == "device":
+        return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)))
+    return float(e.self_cpu_time_total)
+
+
+def _profile_variant(name: str, dev: str, case: tuple) -> dict:
+    """Where one variant's step goes: wall, device busy time, kernels launched, host syncs, top ops."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    classes, dim, dtype = case
+    module, opt, update, autocast = _build_variant(name, classes, dim, dev, dtype)
+    gen = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(FULL_SIZES["batch"] if dev == "cuda" else DRY_SIZES["batch"], dim, generator=gen),)
+               for _ in range(2 + PROFILE_STEPS)]
+    batches = [(x.to(dev).requires_grad_(), torch.randint(0, classes, (x.shape[0],), generator=gen).to(dev))
+               for (x,) in batches]
+
+    def step(x, y):
+        with torch.autocast("cuda", dtype=autocast, enabled=autocast is not None):
+            loss = module(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for x, y in batches[:2]:  # warm-up: compiles, allocator, index
+        step(x, y)
+    _sync(dev)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for x, y in batches[2:]:
+            step(x, y)
+        _sync(dev)
+    wall = (time.perf_counter() - start) / PROFILE_STEPS
+    averages = prof.key_averages()
+    api = {e.key: e.count for e in averages if e.key.startswith(("cuda", "cu"))}
+    launches = sum(c for k, c in api.items() if "LaunchKernel" in k or "LaunchCooperativeKernel" in k)
+    syncs = sum(c for k, c in api.items() if "Synchronize" in k)
+    copies = sum(c for k, c in api.items() if "Memcpy" in k)
+    reads = sum(e.count for e in averages if e.key == "aten::_local_scalar_dense")  # .item(), .tolist(), float()
+    device_total = sum(_event_time(e, "device") for e in averages if e.device_type.name == "CUDA") / 1e3
+    top_dev = sorted((e for e in averages if _event_time(e, "device") > 0), key=lambda e: -_event_time(e, "device"))
+    top_cpu = sorted(averages, key=lambda e: -_event_time(e, "cpu"))
+    del module, opt
+    return {"wall_ms": 1e3 * wall, "device_ms": device_total / PROFILE_STEPS, "launches": launches / PROFILE_STEPS,
+            "syncs": syncs / PROFILE_STEPS, "copies": copies / PROFILE_STEPS, "reads": reads / PROFILE_STEPS,
+            "update": update,
+            "top_device": [(e.key, e.count / PROFILE_STEPS, _event_time(e, "device") / 1e3 / PROFILE_STEPS)
+                           for e in top_dev[:12]],
+            "top_cpu": [(e.key, e.count / PROFILE_STEPS, _event_time(e, "cpu") / 1e3 / PROFILE_STEPS)
+                        for e in top_cpu[:12]]}
+
+
+def check_profile(ctx: dict):
+    """torch.profiler over PROFILE_STEPS steps of each timed variant at 10^6 classes, d=128, bf16:
+    how much of the wall time the device is busy, kernels launched and host syncs per step, and the
+    ops that take the device's and the host's time (a table per variant in the results file)."""
+    dev = "cpu" if ctx["dry_run"] else "cuda"
+    case = PROFILE_CASE["dry" if ctx["dry_run"] else "full"]
+    names = [n for n in VARIANTS if not (ctx["dry_run"] and "triton" in n)]
+    ctx["profile"] = {"case": case, "rows": {}}
+    for name in names:
+        rec = _profile_variant(name, dev, case)
+        ctx["profile"]["rows"][name] = rec
+        print(f"  profile {name}: wall {rec['wall_ms']:.2f} ms/step, device busy {rec['device_ms']:.2f} ms, "
+              f"{rec['launches']:.0f} kernel launches, {rec['syncs']:.0f} syncs, {rec['copies']:.0f} copies, "
+              f"{rec['reads']:.0f} scalar reads",
+              flush=True)
+    return "PASS", f"{len(names)} variants profiled at C={case[0]:,} d={case[1]} {case[2]}"
+
+
+def profile_report(ctx: dict) -> list:
+    """The profile's lines for the results file."""
+    prof = ctx.get("profile")
+    if not prof or not prof["rows"]:
+        return []
+    c, d, t = prof["case"]
+    lines = ["", f"## Profile: C={c:,}, d={d}, {t}, {PROFILE_STEPS} steps under torch.profiler (per step)", "",
+             "Device busy = the sum of the device's kernel and copy times; where it is far below the wall time, the "
+             "step waits on the host (Python, launches, syncs), not on the GPU.", "",
+             "| variant | update | wall ms | device busy ms | busy share | kernel launches | syncs | memcpy | "
+             "scalar reads |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in prof["rows"].items():
+        lines.append(f"| {name} | {r['update']} | {r['wall_ms']:.2f} | {r['device_ms']:.2f} | "
+                     f"{r['device_ms'] / r['wall_ms']:.0%} | {r['launches']:.0f} | {r['syncs']:.0f} | {r['copies']:.0f} | "
+                     f"{r['reads']:.0f} |")
+    for name, r in prof["rows"].items():
+        for label, key in (("device", "top_device"), ("host", "top_cpu")):
+            if not r[key]:
+                continue
+            lines += ["", f"{name}: top ops by self {label} time (ms per step)", "", "| op | calls | ms |",
+                      "|---|---|---|"]
+            lines += [f"| `{k[:90].replace('|', '/')}` | {n:.0f} | {ms:.3f} |" for k, n, ms in r[key]]
+    return lines
+
+
 # ----------------------------------------------------------------------------- the main job
 CPU_MAIN_JOB = {"top1": 0.1134, "top5": 0.1908, "seconds": 132.9}  # README: clean clone at 694b0db, 2 CPU cores
 MAIN_JOB_TOLERANCE = 0.01  # held-out top-1, absolute: other kernels, other rounding, another trajectory
@@ -417,6 +522,7 @@ def report(ctx: dict, checks: Checks) -> str:
                          f"{vs_pfc:.2f}x | {build} | {r['peak_mib']:.0f} |")
     if ctx.get("timing_skipped"):
         lines += ["", "Not timed (time budget): " + "; ".join(ctx["timing_skipped"])]
+    lines += profile_report(ctx)
     return "\n".join(lines) + "\n"
 
 
@@ -427,7 +533,7 @@ def json_dumps(value) -> str:
 
 CHECK_STEPS = (("env", check_env), ("build_cuda_hamming", check_build_cuda), ("build_triton", check_build_triton),
                ("head_step", check_head_step), ("timing", check_timing), ("train_job", check_train_job),
-               ("parity_tests", check_parity_tests))
+               ("parity_tests", check_parity_tests), ("profile", check_profile))
 
 
 def main(argv=None) -> int:

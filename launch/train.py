@@ -30,6 +30,7 @@ from ds_xc.data import build_task_data  # noqa: E402
 from ds_xc.engine import describe_comm_failure, init_distributed, is_comm_failure, load_raw_config  # noqa: E402
 from ds_xc.evaluate import evaluate_topk  # noqa: E402
 from ds_xc.parallel.agree import all_or_none  # noqa: E402
+from ds_xc.parallel.groups import comm_device  # noqa: E402
 from ds_xc.models import build_backbone  # noqa: E402
 
 EXIT_PEER_LOST = 3  # exit status of a rank whose peer died or stopped answering
@@ -334,7 +335,8 @@ def _active_share(job: Job) -> Optional[dict]:
     stats = head.sampler_stats()
     if head.sampler_config.type != "full" and "active" not in stats:
         return None
-    active = torch.tensor([float(stats.get("active", head.num_local * groups))], dtype=torch.float64)
+    active = torch.tensor([float(stats.get("active", head.num_local * groups))], dtype=torch.float64,
+                          device=comm_device(head.group))  # NCCL reduces CUDA tensors only
     dist.all_reduce(active, group=head.group)  # shards of the head's group -> all its classes
     per_group = active.item() / groups
     return {"active_classes": per_group, "share": per_group / job.hcfg.num_classes}

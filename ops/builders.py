@@ -20,11 +20,12 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import time
 
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder, OpBuilder
 
-__all__ = ["HammingBuilder", "HammingCudaBuilder", "RowsBuilder", "load_op", "BUILDERS", "CSRC"]
+__all__ = ["HammingBuilder", "HammingCudaBuilder", "RowsBuilder", "load_op", "BUILDERS", "CSRC", "plain_arch_list"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,27 @@ class HammingBuilder(_DsXcOp, OpBuilder):
 
     def extra_ldflags(self):
         return ["-fopenmp"]
+
+
+_ARCH = re.compile(r"^(\d+)\.(\d+)[a-z]?(\+PTX)?$")
+
+
+def plain_arch_list(value: str) -> str:
+    """``TORCH_CUDA_ARCH_LIST`` in the form DeepSpeed's builder parses: the architecture-specific
+    suffix dropped ("9.0a" -> "9.0", "10.0a+PTX" -> "10.0+PTX"), separators as ";", duplicates once.
+
+    CUDA images for Hopper and Blackwell often set "9.0a" or "10.0a"; DeepSpeed 0.19's
+    ``compute_capability_args`` reads each entry as ``int`` and fails ("invalid literal for int()
+    with base 10: '0a'"). Our kernels use no architecture-specific instructions (wgmma, setmaxnreg),
+    so the plain target builds the same code. An entry that is not ``X.Y[a-z][+PTX]`` is kept as it is
+    (DeepSpeed then names it in its own error)."""
+    out = []
+    for token in value.replace(",", ";").replace(" ", ";").split(";"):
+        m = _ARCH.match(token.strip())
+        plain = f"{m.group(1)}.{m.group(2)}{m.group(3) or ''}" if m else token.strip()
+        if plain and plain not in out:
+            out.append(plain)
+    return ";".join(out)
 
 
 class HammingCudaBuilder(_DsXcOp, CUDAOpBuilder):
@@ -123,9 +145,14 @@ def load_op(kind: str, verbose: bool = False):
         return _OPS[kind]
     builder = BUILDERS[kind]()
     start = time.perf_counter()
+    arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST")
     try:
         if not builder.is_compatible(verbose):
             raise RuntimeError(builder.error_log or "not compatible")
+        if kind == "cuda" and arch_list and plain_arch_list(arch_list) != arch_list:
+            logger.info("building %s for TORCH_CUDA_ARCH_LIST=%r (was %r: DeepSpeed's builder does not parse "
+                        "architecture-specific targets)", builder.NAME, plain_arch_list(arch_list), arch_list)
+            os.environ["TORCH_CUDA_ARCH_LIST"] = plain_arch_list(arch_list)
         op = builder.load(verbose=verbose)
     except Exception as exc:  # a compiler error, no ninja, no CUDA: fall back to torch
         msg = str(exc).strip() or repr(exc)
@@ -134,5 +161,11 @@ def load_op(kind: str, verbose: bool = False):
         op = None
     else:
         logger.info("ds_xc %s op (%s) ready in %.1f s", kind, builder.NAME, time.perf_counter() - start)
+    finally:  # the caller's value again (DeepSpeed's builder rewrites the variable while it builds)
+        if kind == "cuda":
+            if arch_list is None:
+                os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+            else:
+                os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list
     _OPS[kind] = op
     return op

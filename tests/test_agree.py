@@ -264,3 +264,18 @@ def test_fingerprint_ignores_dict_order_and_addresses_but_not_values():
     assert fingerprint(torch.zeros(2, 3)) == fingerprint(torch.ones(2, 3))  # tensors: shape and dtype only
     assert fingerprint(torch.zeros(2, 3)) != fingerprint(torch.zeros(3, 2))
     assert agree({"x": 1}, "a value", None) == {"x": 1}  # one process: returns at once
+
+
+def test_comm_device_follows_the_groups_backend(monkeypatch):
+    """Bookkeeping tensors of a collective go where the backend takes them: NCCL alone -> the current
+    GPU (a CPU tensor there fails: "No backend type associated with device type cpu", seen on the
+    H200 in the main job's summary), gloo or a mixed cpu:gloo,cuda:nccl group -> the CPU."""
+    from ds_xc.parallel import groups
+    assert groups.comm_device(None) == torch.device("cpu")  # no process group: one process
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    for backend, want in (("nccl", torch.device("cuda", 3)), ("gloo", torch.device("cpu")),
+                          ("cpu:gloo,cuda:nccl", torch.device("cpu"))):
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: b)
+        monkeypatch.setattr(groups, "resolve_group", lambda group=None: group)
+        assert groups.comm_device("a group") == want, backend

@@ -250,6 +250,41 @@ def test_failed_build_warns_and_falls_back(monkeypatch, caplog):
     assert builders.load_op("cpu") is None  # no second build attempt
 
 
+def test_plain_arch_list_drops_architecture_specific_suffixes():
+    assert builders.plain_arch_list("9.0a") == "9.0"
+    assert builders.plain_arch_list("8.0;9.0a;10.0a+PTX 12.0 9.0") == "8.0;9.0;10.0+PTX;12.0"
+    assert builders.plain_arch_list("8.6+PTX") == "8.6+PTX"
+    assert builders.plain_arch_list("sm_90") == "sm_90"  # not ours to reinterpret: DeepSpeed names it
+
+
+def test_cuda_build_reads_an_arch_specific_list_and_restores_it(monkeypatch):
+    """A CUDA image's TORCH_CUDA_ARCH_LIST="9.0a" (seen on the H200 image): DeepSpeed's builder reads
+    every entry as int and fails; load_op builds with the plain list and gives the caller's back."""
+    jit = builders.HammingCudaBuilder()
+    jit.jit_mode = True
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    with pytest.raises(ValueError, match="0a"):
+        jit.compute_capability_args()  # DeepSpeed's own parser, unpatched
+    seen = []
+
+    class Recording(builders.HammingCudaBuilder):
+        def is_compatible(self, verbose=False):
+            return True
+
+        def load(self, verbose=False):
+            seen.append(os.environ["TORCH_CUDA_ARCH_LIST"])
+            self.jit_mode = True
+            self.compute_capability_args()  # what the real load does first: parses the list
+            return "op"
+
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a;10.0a+PTX")
+    monkeypatch.setattr(builders, "_OPS", {})
+    monkeypatch.setitem(builders.BUILDERS, "cuda", Recording)
+    assert builders.load_op("cuda") == "op"
+    assert seen == ["9.0;10.0+PTX"]
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0a;10.0a+PTX"
+
+
 def test_builders_are_deepspeed_op_builders():
     from deepspeed.ops.op_builder.builder import CUDAOpBuilder, OpBuilder
     cpu, cuda = builders.HammingBuilder(), builders.HammingCudaBuilder()

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ds_xc.config_schedule import AdaptiveLRConfig
-from ds_xc.parallel.groups import group_rank, group_ranks, is_distributed, world_rank_and_size
+from ds_xc.parallel.groups import comm_device, group_rank, group_ranks, is_distributed, world_rank_and_size
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class AdaptiveLR:
         if group is None or group_rank(group) == 0:
             self._decide()
         if group is not None:
-            state = torch.tensor(self._pack(), dtype=torch.float64)
+            state = torch.tensor(self._pack(), dtype=torch.float64, device=comm_device(group))
             dist.broadcast(state, src=group_ranks(group)[0], group=group)
             self._unpack(state.tolist())
         self._pending, self._window = None, []

@@ -20,7 +20,7 @@ from ds_xc import config as cfg
 from ds_xc.engine.checkpointing import load_engine_checkpoint, save_engine_checkpoint
 from ds_xc.head import ClassParallelHead
 from ds_xc.manifest import raise_if_disk_full
-from ds_xc.parallel.groups import is_distributed
+from ds_xc.parallel.groups import comm_device, is_distributed
 from ds_xc.peers import is_comm_failure
 
 log = logging.getLogger(__name__)
@@ -209,7 +209,7 @@ class XCEngine:
         """Every rank's verdict on this accumulation window (non-finite loss or gradients), all-reduced."""
         bad = self._window_bad or not self._grads_finite()
         self._window_bad = False
-        flag = torch.tensor([1.0 if bad else 0.0])
+        flag = torch.tensor([1.0 if bad else 0.0], device=comm_device(self.flag_group))
         if is_distributed(self.flag_group):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.flag_group)
         if not flag.item():

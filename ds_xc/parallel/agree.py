@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ds_xc.parallel.collectives import gather_flat
-from ds_xc.parallel.groups import group_rank, group_ranks, group_size, is_distributed, resolve_group
+from ds_xc.parallel.groups import comm_device, group_rank, group_ranks, group_size, is_distributed, resolve_group
 
 __all__ = ["agree", "all_or_none", "agree_outcome", "DisagreementError", "fingerprint"]
 
@@ -72,13 +72,6 @@ def fingerprint(value: Any) -> int:
     """A signed 64-bit hash of ``value`` (stable across processes; dict order does not matter)."""
     digest = hashlib.sha256(repr(_canonical(value)).encode()).digest()
     return int.from_bytes(digest[:8], "little", signed=True)
-
-
-def _device(group) -> torch.device:
-    """Where this group's collectives take their tensors (NCCL: the current GPU; else the CPU)."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _global_ranks(group) -> list[int]:
@@ -133,7 +126,7 @@ def agree(value: Any, what: str, group) -> Any:
     group = resolve_group(group)  # None: the world, named explicitly from here on
     if not is_distributed(group):
         return value
-    mine = torch.tensor([fingerprint(value)], dtype=torch.int64, device=_device(group))
+    mine = torch.tensor([fingerprint(value)], dtype=torch.int64, device=comm_device(group))
     prints = torch.empty(group_size(group), dtype=torch.int64, device=mine.device)
     gather_flat(prints, mine, group=group)
     if bool((prints == prints[0]).all()):
@@ -170,7 +163,7 @@ def agree_outcome(error: Optional[BaseException], what: str, group) -> None:
         if error is not None:
             raise error
         return
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=_device(group))
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=comm_device(group))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if not flag.item():
         return

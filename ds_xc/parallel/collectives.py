@@ -21,7 +21,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ds_xc.parallel.groups import group_rank, group_size, is_distributed
+from ds_xc.parallel.groups import comm_device, group_rank, group_size, is_distributed
 
 __all__ = ["all_gather_rows", "all_gather_no_grad", "replicated_rows", "exchange_sizes", "gather_flat",
            "reduce_scatter_flat", "PaddedGather", "PaddedReduceScatter", "gather_stacked", "merge_topk",
@@ -43,9 +43,11 @@ def reduce_scatter_flat(out: torch.Tensor, x: torch.Tensor, group=None, async_op
 
 
 def exchange_sizes(num_rows: int, group=None, device=None) -> list[int]:
-    """All ranks' row counts (one small all-gather; a host sync, so call it outside hot loops)."""
+    """All ranks' row counts (one small all-gather; a host sync, so call it outside hot loops).
+    ``device``: where the count travels (None: where the group's backend takes tensors)."""
     if not is_distributed(group):
         return [num_rows]
+    device = comm_device(group) if device is None else device
     out = gather_stacked(torch.tensor([num_rows], dtype=torch.int64, device=device), group)  # (P, 1)
     return [int(v) for v in out.view(-1).tolist()]
 

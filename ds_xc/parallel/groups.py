@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 ProcessGroup = Optional["dist.ProcessGroup"]
@@ -24,6 +25,19 @@ ProcessGroup = Optional["dist.ProcessGroup"]
 def is_distributed(group: ProcessGroup = None) -> bool:
     """True when collectives on ``group`` involve more than one process."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(resolve_group(group)) > 1
+
+
+def comm_device(group: ProcessGroup = None) -> torch.device:
+    """Where a tensor handed to a collective on ``group`` must live: the current GPU when the group's
+    backend is NCCL alone (NCCL moves CUDA tensors only: a CPU tensor fails with "No backend type
+    associated with device type cpu"), else the CPU (gloo, a mixed "cpu:gloo,cuda:nccl" group, one
+    process). Small bookkeeping tensors (flags, counts, verdicts) are made here before a collective."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return torch.device("cpu")
+    backend = str(dist.get_backend(resolve_group(group))).lower()
+    if "nccl" in backend and "cpu" not in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def group_size(group: ProcessGroup = None) -> int:

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ds_xc.parallel.groups import group_rank, group_ranks, group_size
+from ds_xc.parallel.groups import comm_device, group_rank, group_ranks, group_size
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,8 @@ def time_one(hier, group, mode: str, buf: torch.Tensor) -> float:
         buf.div_(group_size(group))
     else:
         hier.mean_(buf)
+    if buf.is_cuda:  # NCCL returns before the reduction ends: time it to the end
+        torch.cuda.synchronize(buf.device)
     return time.perf_counter() - start
 
 
@@ -51,8 +53,9 @@ def probe_reduction(hier, group, numel: int, repeats: int, measure: Optional[Cal
     if measure is None:
         def measure(mode, buf):
             return time_one(hier, group, mode, buf)
-    probe = torch.randn(max(int(numel), 1), generator=torch.Generator().manual_seed(group_rank(group)))  # (numel,)
-    times = torch.zeros(len(MODES), repeats, dtype=torch.float64)  # (modes, repeats)
+    dev = comm_device(group)
+    probe = torch.randn(max(int(numel), 1), generator=torch.Generator().manual_seed(group_rank(group))).to(dev)  # (numel,)
+    times = torch.zeros(len(MODES), repeats, dtype=torch.float64, device=dev)  # (modes, repeats)
     for it in range(repeats + 1):  # the first round warms up (connections, allocations)
         for mode in (MODES if it % 2 == 0 else MODES[::-1]):
             took = float(measure(mode, probe.clone()))
@@ -60,7 +63,8 @@ def probe_reduction(hier, group, numel: int, repeats: int, measure: Optional[Cal
                 times[MODES.index(mode), it - 1] = took
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)  # each repeat: the slowest rank
     medians = {mode: statistics.median(times[m].tolist()) for m, mode in enumerate(MODES)}
-    choice = torch.tensor([1 if medians["hierarchical"] < margin * medians["flat"] else 0], dtype=torch.int64)
+    choice = torch.tensor([1 if medians["hierarchical"] < margin * medians["flat"] else 0], dtype=torch.int64,
+                          device=dev)
     dist.broadcast(choice, src=group_ranks(group)[0], group=group)  # the first rank's decision, for every rank
     mode = MODES[int(choice)]
     log.info("topology: auto probe of %d float32 (median of %d, slowest rank): flat %.4f s, hierarchical %.4f s "

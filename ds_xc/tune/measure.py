@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ds_xc.head import ClassParallelHead, build_head_optimizer
-from ds_xc.parallel.groups import is_distributed
+from ds_xc.parallel.groups import comm_device, is_distributed
 from ds_xc.sampling.metrics import active_set_quality
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ def tensor_bytes(head: ClassParallelHead, opt) -> dict:
 
 def _max_over(values: list, group) -> list:
     """Element-wise max of a few floats over the head's group (every rank calls it)."""
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=comm_device(group))
     if is_distributed(group):
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.tolist()

@@ -24,7 +24,7 @@ from ds_xc.config import parse_sampler
 from ds_xc.head import ClassParallelHead, build_head_optimizer
 import torch.distributed as dist
 
-from ds_xc.parallel.groups import is_distributed
+from ds_xc.parallel.groups import comm_device, is_distributed
 from ds_xc.tune.measure import release_free_memory
 
 log = logging.getLogger(__name__)
@@ -69,18 +69,18 @@ def exact_top(head: ClassParallelHead, batches: Iterable, k: int = 10) -> list:
 @torch.no_grad()
 def active_recall(head: ClassParallelHead, exact: list) -> float:
     """Share of the exact top-k ids present in their row's active set (on the shard owning them)."""
-    hits = torch.zeros(2, dtype=torch.float64)
+    hits = torch.zeros(2, dtype=torch.float64, device=comm_device(head.group))
     for xg, yg, top in exact:
         active = head.sampler.sample(yg, xg if head.sampler.needs_embeddings else None, head.weight)
         local = top - head.class_start
         mine = (local >= 0) & (local < head.num_local)
         lc = local.clamp(0, head.num_local - 1)
         for rows, idx in active.groups():
-            mask = torch.ones(head.num_local, dtype=torch.bool)
+            mask = torch.ones(head.num_local, dtype=torch.bool, device=head.weight.device)
             if idx is not None:
                 mask.zero_()
                 mask[idx] = True
-            hits[0] += (mine[rows] & mask[lc[rows]]).sum()
+            hits[0] += (mine[rows] & mask[lc[rows]]).sum().to(hits.device)
         hits[1] += top.numel()
     if is_distributed(head.group):
         dist.all_reduce(hits[:1], group=head.group)  # every rank counted its own classes' hits
