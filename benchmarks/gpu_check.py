@@ -238,11 +238,11 @@ def _ann_full_rate(dev: str) -> float:
 
 
 # ----------------------------------------------------------------------------- timing
-VARIANTS = {  # name -> (sampler, head update mode, softmax backend); update "auto": the library default
+VARIANTS = {  # name -> (sampler, head update mode, softmax backend); "auto" update and "torch": the defaults
     "exact (chunked torch)": ({"type": "full"}, "auto", "torch"),
     "exact (fused triton)": ({"type": "full"}, "auto", "triton"),
-    "uniform@0.1": ({"type": "uniform", "sample_rate": 0.1}, "auto", "auto"),
-    "ann@0.1": ({"type": "ann", "sample_rate": 0.1}, "auto", "auto"),
+    "uniform@0.1": ({"type": "uniform", "sample_rate": 0.1}, "auto", "torch"),
+    "ann@0.1": ({"type": "ann", "sample_rate": 0.1}, "auto", "torch"),
     "pfc-equivalent@0.1": (None, "dense (torch.optim.SGD)", "autograd"),  # benchmarks/pfc_reference.py
 }
 LOSS = {"type": "arcface", "scale": 64.0, "margin": 0.5}
@@ -318,6 +318,7 @@ def check_timing(ctx: dict):
     dev = "cpu" if ctx["dry_run"] else "cuda"
     sizes = DRY_SIZES if ctx["dry_run"] else FULL_SIZES
     cases = DRY_CASES if ctx["dry_run"] else FULL_CASES
+    cases = [c for c in cases if not ctx.get("max_classes") or c[0] <= ctx["max_classes"]]
     names = [n for n in VARIANTS if not (ctx["dry_run"] and "triton" in n)]
     rows, skipped, start = [], [], time.perf_counter()
     for classes, dim, dtype in cases:
@@ -336,6 +337,92 @@ def check_timing(ctx: dict):
     if ctx["dry_run"]:
         detail += " (dry run: tiny sizes on the CPU, the Triton variant skipped)"
     return "PASS", detail
+
+
+# ----------------------------------------------------------------------------- triton tiles
+def _tile_configs(dry: bool) -> list:
+    """(label, TileConfig) of the sweep: today's GPU default first, then 16-bit tensor-core variants."""
+    import torch
+    from ds_xc.head.triton_softmax import TileConfig, default_tiles, gpu_tiles
+    if dry:
+        return [("interpreter default", default_tiles(torch.device("cpu")))]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    base = gpu_tiles(torch.bfloat16, sms)
+    rows = [("default (fp32 upcast, tf32)", base)]
+    for bm, bn, bd, warps, stages in ((64, 64, 32, 4, None), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3),
+                                      (128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (64, 64, 128, 4, 2)):
+        rows.append((f"native {bm}x{bn}x{bd} w{warps} s{stages or '-'}",
+                     TileConfig(block_m=bm, block_n=bn, block_d=bd, splits=2 * sms, precision="tf32",
+                                num_warps=warps, native_dot=True, num_stages=stages)))
+    return rows
+
+
+def check_triton_tiles(ctx: dict):
+    """The fused Triton softmax (forward + backward, ArcFace s=64 m=0.5, bf16 x and w) against the
+    chunked PyTorch path on the same inputs, over a few tile configurations, at K = 10^5 (a sampled
+    head's active set) and 10^6 classes (an exact shard), N = 1024, d = 128: median ms of 3 calls after
+    one warm-up, and the relative error of loss, dx, dw against the PyTorch path in fp32."""
+    import torch
+    from ds_xc.head.margins import build_loss
+    from ds_xc.head.softmax import fused_loss_and_grads
+    from ds_xc.head.triton_softmax import triton_fused_loss_and_grads
+    dev = "cpu" if ctx["dry_run"] else "cuda"
+    sizes = [(32, 200, 16)] if ctx["dry_run"] else [(1024, 100_000, 128), (1024, 1_000_000, 128)]
+    loss = build_loss(LOSS)
+    rows = []
+
+    def timed(fn):
+        fn()
+        _sync(dev)
+        out = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            _sync(dev)
+            out.append(1e3 * (time.perf_counter() - start))
+        return statistics.median(out)
+
+    for n, k, d in sizes:
+        gen = torch.Generator().manual_seed(5)
+        x = torch.randn(n, d, generator=gen).to(dev, torch.bfloat16)
+        w = (0.05 * torch.randn(k, d, generator=gen)).to(dev, torch.bfloat16)
+        t = torch.randint(0, k, (n,), generator=gen).to(dev)
+        ref = fused_loss_and_grads(x.float(), w.float(), t, loss, chunk_size=256)  # fp32 PyTorch path
+        for label, fn in [("torch chunked (256 rows)", lambda: fused_loss_and_grads(x, w, t, loss, chunk_size=256)),
+                          ("torch one chunk", lambda: fused_loss_and_grads(x, w, t, loss, chunk_size=0))] + \
+                         [(f"triton {lab}", (lambda cfg: lambda: triton_fused_loss_and_grads(x, w, t, loss, tiles=cfg))(cfg))
+                          for lab, cfg in _tile_configs(ctx["dry_run"])]:
+            try:
+                ms = timed(fn)
+                got = fn()
+                err = max(_rel(got[0], ref[0]), _rel(got[1], ref[1]), _rel(got[2], ref[2]))
+                rows.append((n, k, d, label, ms, err, ""))
+            except Exception as exc:  # a configuration that does not launch (shared memory): noted, not fatal
+                rows.append((n, k, d, label, float("nan"), float("nan"), f"{type(exc).__name__}: {exc}"[:160]))
+            print(f"  tiles N={n} K={k:,} d={d} {label}: {rows[-1][4]:.2f} ms, rel. err {rows[-1][5]:.1e} {rows[-1][6]}",
+                  flush=True)
+        del x, w, ref
+    ctx["tiles"] = rows
+    bad = [r for r in rows if r[5] == r[5] and r[5] > TOLERANCE["bfloat16"]]
+    if bad:
+        return "FAIL", "; ".join(f"{r[3]} K={r[1]}: rel. err {r[5]:.1e}" for r in bad)
+    return "PASS", f"{len(rows)} runs; every error within {TOLERANCE['bfloat16']:.0e} of the fp32 PyTorch path"
+
+
+def tiles_report(ctx: dict) -> list:
+    rows = ctx.get("tiles")
+    if not rows:
+        return []
+    lines = ["", "## Fused Triton softmax: tile configurations vs the chunked PyTorch path", "",
+             "ArcFace s=64 m=0.5, bf16 x and w, forward + backward (loss, dx, dw), one device; median of 3 calls after "
+             "a warm-up; `rel. err`: the largest relative error of loss, dx, dw against the PyTorch path in fp32; "
+             "`native`: 16-bit tiles into tl.dot (TileConfig.native_dot).", "",
+             "| N | K | d | implementation | ms | vs torch chunked | rel. err | note |", "|---|---|---|---|---|---|---|---|"]
+    base = {(n, k): ms for n, k, d, lab, ms, e, note in rows if lab.startswith("torch chunked")}
+    for n, k, d, lab, ms, e, note in rows:
+        lines.append(f"| {n} | {k:,} | {d} | {lab} | {ms:.2f} | {base.get((n, k), float('nan')) / ms:.2f}x | "
+                     f"{e:.1e} | {note.replace('|', '/')} |")
+    return lines
 
 
 # ----------------------------------------------------------------------------- profile
@@ -541,7 +628,8 @@ def report(ctx: dict, checks: Checks) -> str:
         lines += ["", "Head step (forward + backward + optimizer step + zero_grad): ArcFace s=64 m=0.5, SGD "
                   f"{json_dumps(SGD)}, global batch {(DRY_SIZES if ctx['dry_run'] else FULL_SIZES)['batch']}, one "
                   "device (one rank); median of the timed steps. ds_xc heads at the library defaults for their "
-                  "sampler and dtype (`update` column; chunk_size 256); `pfc-equivalent@0.1` is "
+                  "sampler and dtype (`update` column; softmax_backend torch but in the fused triton row; chunk_size "
+                  "256); `pfc-equivalent@0.1` is "
                   "benchmarks/pfc_reference.py (Partial FC's algorithm: uniform negatives, logits materialised, "
                   "torch.optim.SGD over the dense fp32 shard; its matmul under bf16 autocast in the bf16 rows, as "
                   "Partial FC users run fp16). `vs exact` = the chunked exact head's step / this step (a speed-up); "
@@ -558,6 +646,7 @@ def report(ctx: dict, checks: Checks) -> str:
                          f"{vs_pfc:.2f}x | {build} | {r['peak_mib']:.0f} |")
     if ctx.get("timing_skipped"):
         lines += ["", "Not timed (time budget): " + "; ".join(ctx["timing_skipped"])]
+    lines += tiles_report(ctx)
     lines += profile_report(ctx)
     return "\n".join(lines) + "\n"
 
@@ -569,13 +658,15 @@ def json_dumps(value) -> str:
 
 CHECK_STEPS = (("env", check_env), ("build_cuda_hamming", check_build_cuda), ("build_triton", check_build_triton),
                ("head_step", check_head_step), ("timing", check_timing), ("parity_tests", check_parity_tests),
-               ("profile", check_profile), ("train_job", check_train_job))
+               ("triton_tiles", check_triton_tiles), ("profile", check_profile), ("train_job", check_train_job))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dry-run", action="store_true", help="no GPU: the same steps, CUDA parts skipped and said so")
     p.add_argument("--out", default=None, help="results file (default under benchmarks/results/)")
+    p.add_argument("--max_classes", type=int, default=0, help="time only the cases up to this many classes "
+                   "(0: all)")
     p.add_argument("--only", default="", help="comma-separated checks to run (env always runs); default: all of "
                    + ", ".join(n for n, _ in CHECK_STEPS))
     args = p.parse_args(argv)
@@ -587,7 +678,7 @@ def main(argv=None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated: before they are imported
     out = args.out or os.path.join(RESULTS, "gpu_check_dry_run.md" if args.dry_run else "gpu_check.md")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    ctx = {"dry_run": args.dry_run, "command": " ".join(["python", "benchmarks/gpu_check.py", *(argv or sys.argv[1:])])}
+    ctx = {"dry_run": args.dry_run, "max_classes": args.max_classes, "command": " ".join(["python", "benchmarks/gpu_check.py", *(argv or sys.argv[1:])])}
     checks = Checks()
     for name, fn in CHECK_STEPS:
         if only and name != "env" and name not in only:

@@ -11,7 +11,11 @@ D-Softmax, whose target leaves the partition function). No (N, K) tensor is ever
 
 Inputs are loaded in their storage dtype (fp32, fp16 or bf16) and upcast right after the
 load: all arithmetic, and every ``tl.dot``, runs in fp32 (the interpreter computes bf16
-arithmetic on the raw bits, and fp32 products of 16-bit values are exact anyway).
+arithmetic on the raw bits, and fp32 products of 16-bit values are exact anyway). With
+``NATIVE`` (16-bit inputs on a GPU, ``TileConfig.native_dot``) the loaded 16-bit tiles go into
+``tl.dot`` as they are (tensor cores, fp32 accumulation; the same products), and the backward
+rounds its fp32 coefficient tile and the normalised x tile to the input dtype before its two
+dots, as Cut Cross-Entropy does; the element-wise work stays fp32.
 
 This module calls ``@triton.jit`` at import, which is when Triton reads
 ``TRITON_INTERPRET``: set that variable before the first import.
@@ -30,7 +34,8 @@ _FLOOR = tl.constexpr(-1.0e30)
 
 @triton.jit
 def _logits_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, D,
-                 BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
+                 NATIVE: tl.constexpr):
     """(BM, BN) fp32 raw dot products <x_i, w_j> of one tile (0 outside the masks)."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     x_base = x_ptr + rows.to(tl.int64)[:, None] * D  # (BM, 1) row starts, int64 offsets
@@ -38,16 +43,20 @@ def _logits_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, D,
     for d0 in range(0, D, BD):
         dd = d0 + tl.arange(0, BD)
         d_ok = dd < D
-        xt = tl.load(x_base + dd[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        wt = tl.load(w_base + dd[None, :], mask=col_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        acc = tl.dot(xt, tl.trans(wt), acc, input_precision=PRECISION)  # (BM, BN)
+        xt = tl.load(x_base + dd[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        wt = tl.load(w_base + dd[None, :], mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        if NATIVE:  # 16-bit operands, fp32 accumulation
+            acc = tl.dot(xt, tl.trans(wt), acc)  # (BM, BN)
+        else:
+            acc = tl.dot(xt.to(tl.float32), tl.trans(wt.to(tl.float32)), acc, input_precision=PRECISION)
     return acc
 
 
 @triton.jit
 def forward_stats_kernel(x_ptr, w_ptr, rx_ptr, rw_ptr, t_ptr, zt_ptr, m_ptr, l_ptr,
                          N, K, D, tiles_per_split, scale,
-                         BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
+                         BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
+                         NATIVE: tl.constexpr = False):
     """Grid (cdiv(N, BM), S). Program (r, s) covers rows [r BM, r BM + BM) and the class tiles
     [s T, s T + T) (T = tiles_per_split), and writes the per-row running max m[s, i] and
     sum-exp l[s, i] = sum_j exp(z_ij - m[s, i]) of its classes (m = -1e30, l = 0 when every
@@ -65,7 +74,7 @@ def forward_stats_kernel(x_ptr, w_ptr, rx_ptr, rw_ptr, t_ptr, zt_ptr, m_ptr, l_p
         cols = (split * tiles_per_split + i) * BN + tl.arange(0, BN)
         col_ok = cols < K
         rw = tl.load(rw_ptr + cols, mask=col_ok, other=0.0)
-        z = _logits_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, D, BM, BN, BD, PRECISION)
+        z = _logits_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, D, BM, BN, BD, PRECISION, NATIVE)
         z = z * (scale * rx[:, None] * rw[None, :])  # (BM, BN) logits
         z = tl.where(cols[None, :] == t[:, None], zt[:, None], z)  # the margin target logit
         z = tl.where(col_ok[None, :], z, float("-inf"))
@@ -79,10 +88,11 @@ def forward_stats_kernel(x_ptr, w_ptr, rx_ptr, rw_ptr, t_ptr, zt_ptr, m_ptr, l_p
 
 @triton.jit
 def _grad_tile(x_ptr, w_ptr, rx, rw, t, lse, gt, rows, cols, row_ok, col_ok, D, scale,
-               BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
+               BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
+               NATIVE: tl.constexpr):
     """(BM, BN) fp32 gradient coefficients times rw_j: d(sum of loss rows)/d(c_ij) * rw_j, where
     c is the cosine (raw logit for plain softmax): scale * p_ij off the target, gt_i on it."""
-    z = _logits_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, D, BM, BN, BD, PRECISION)
+    z = _logits_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, D, BM, BN, BD, PRECISION, NATIVE)
     z = z * (scale * rx[:, None] * rw[None, :])
     g = scale * tl.exp(z - lse[:, None])  # (BM, BN) scale * softmax probability
     g = tl.where(cols[None, :] == t[:, None], gt[:, None], g)
@@ -94,7 +104,8 @@ def _grad_tile(x_ptr, w_ptr, rx, rw, t, lse, gt, rows, cols, row_ok, col_ok, D, 
 def backward_kernel(x_ptr, w_ptr, rx_ptr, rw_ptr, t_ptr, lse_ptr, gt_ptr, gxp_ptr, gw_ptr,
                     N, K, D, tiles_per_split, scale,
                     NEED_GX: tl.constexpr, NEED_GW: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
+                    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
+                    NATIVE: tl.constexpr = False):
     """Grid (S,). Program s owns the class tiles [s T, s T + T) and loops over all row tiles:
 
     - gxp[s] (N, d) += G Wt, the partial of A = G W over its classes (the caller sums the S
@@ -119,23 +130,28 @@ def backward_kernel(x_ptr, w_ptr, rx_ptr, rw_ptr, t_ptr, lse_ptr, gt_ptr, gxp_pt
             lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
             gt = tl.load(gt_ptr + rows, mask=row_ok, other=0.0)
             g = _grad_tile(x_ptr, w_ptr, rx, rw, t, lse, gt, rows, cols, row_ok, col_ok, D, scale,
-                           BM, BN, BD, PRECISION)  # (BM, BN)
+                           BM, BN, BD, PRECISION, NATIVE)  # (BM, BN)
             x_base = x_ptr + rows.to(tl.int64)[:, None] * D  # (BM, 1)
             gx_base = gxp_ptr + (split.to(tl.int64) * N + rows.to(tl.int64))[:, None] * D
             for d0 in range(0, D, BD):
                 dd = d0 + tl.arange(0, BD)
                 d_ok = dd < D
                 if NEED_GX:
-                    wt = tl.load(w_base + dd[None, :], mask=col_ok[:, None] & d_ok[None, :],
-                                 other=0.0).to(tl.float32)  # (BN, BD)
+                    wt = tl.load(w_base + dd[None, :], mask=col_ok[:, None] & d_ok[None, :], other=0.0)  # (BN, BD)
                     gmask = row_ok[:, None] & d_ok[None, :]
                     part = tl.load(gx_base + dd[None, :], mask=gmask, other=0.0)
-                    part = tl.dot(g, wt, part, input_precision=PRECISION)  # (BM, BD)
+                    if NATIVE:
+                        part = tl.dot(g.to(wt.dtype), wt, part)  # (BM, BD)
+                    else:
+                        part = tl.dot(g, wt.to(tl.float32), part, input_precision=PRECISION)
                     tl.store(gx_base + dd[None, :], part, mask=gmask)
                 if NEED_GW:
-                    xt = tl.load(x_base + dd[None, :], mask=row_ok[:, None] & d_ok[None, :],
-                                 other=0.0).to(tl.float32) * rx[:, None]  # (BM, BD) normalised rows
+                    xr = tl.load(x_base + dd[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                    xt = xr.to(tl.float32) * rx[:, None]  # (BM, BD) normalised rows
                     wmask = col_ok[:, None] & d_ok[None, :]
                     acc = tl.load(gw_base + dd[None, :], mask=wmask, other=0.0)
-                    acc = tl.dot(tl.trans(g), xt, acc, input_precision=PRECISION)  # (BN, BD)
+                    if NATIVE:
+                        acc = tl.dot(tl.trans(g.to(xr.dtype)), xt.to(xr.dtype), acc)  # (BN, BD)
+                    else:
+                        acc = tl.dot(tl.trans(g), xt, acc, input_precision=PRECISION)
                     tl.store(gw_base + dd[None, :], acc, mask=wmask)

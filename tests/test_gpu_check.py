@@ -9,7 +9,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CHECKS = ("env", "build_cuda_hamming", "build_triton", "parity_tests", "head_step", "timing", "train_job", "profile")
+CHECKS = ("env", "build_cuda_hamming", "build_triton", "parity_tests", "head_step", "timing", "train_job", "profile",
+          "triton_tiles")
 
 
 @pytest.mark.slow
@@ -26,7 +27,8 @@ def test_gpu_check_dry_run(tmp_path):
     assert set(lines) == set(CHECKS), proc.stdout[-3000:]
     assert lines["build_cuda_hamming"][0] == "SKIP" and "no CUDA" in lines["build_cuda_hamming"][1]
     assert lines["parity_tests"][0] == "SKIP"
-    for name in ("env", "build_triton", "head_step", "timing", "train_job", "profile"):
+    for name in ("env", "build_triton", "head_step", "timing", "train_job", "profile",
+          "triton_tiles"):
         assert lines[name][0] == "PASS", (name, lines[name])
     # the head step was compared with the float64 reference: errors are printed and small
     errors = [float(e) for e in re.findall(r"worst ([0-9.e+-]+)", lines["head_step"][1])]
@@ -40,5 +42,8 @@ def test_gpu_check_dry_run(tmp_path):
                      r"[0-9.]+x \| 1\.00x \|", text), text
     # the profile table: one row per profiled variant, with its share of busy time
     assert re.search(r"\| ann@0\.1 \| lazy \| [0-9.]+ \| [0-9.]+ \| [0-9]+% \| [0-9]+ \| [0-9]+ \| [0-9]+ \| [0-9]+ \|", text), text
+    # the tile sweep compared the interpreted kernel with the PyTorch path in fp32
+    assert re.search(r"\| 32 \| 200 \| 16 \| triton interpreter default \| [0-9.]+ \| [0-9.]+x \| ([0-9.]+)e-0[4-9] \|",
+                     text), text
     # the main job ran through the DeepSpeed launcher and wrote its summary (5 steps on the CPU)
     assert re.search(r"5 steps in [0-9.]+ s of training .* on cpu \(head on cpu\)", lines["train_job"][1])

@@ -135,9 +135,10 @@ from ds_xc_ops.triton_softmax_kernels import backward_kernel, forward_stats_kern
 assert isinstance(forward_stats_kernel, triton.runtime.JITFunction), type(forward_stats_kernel)
 ptr = {"rx_ptr": "*fp32", "rw_ptr": "*fp32", "t_ptr": "*i32"}
 ints = {"N": "i32", "K": "i32", "D": "i32", "tiles_per_split": "i32", "scale": "fp32"}
-for dtype, name in ((torch.float32, "*fp32"), (torch.bfloat16, "*bf16")):
+for dtype, name, native in ((torch.float32, "*fp32", False), (torch.bfloat16, "*bf16", False),
+                            (torch.bfloat16, "*bf16", True)):
     t = gpu_tiles(dtype, 132)
-    c = dict(BM=t.block_m, BN=t.block_n, BD=t.block_d, PRECISION=t.precision)
+    c = dict(BM=t.block_m, BN=t.block_n, BD=t.block_d, PRECISION=t.precision, NATIVE=native)
     sig = {"x_ptr": name, "w_ptr": name, **ptr, "zt_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", **ints}
     k = triton.compile(ASTSource(forward_stats_kernel, {**sig, **dict.fromkeys(c, "constexpr")}, c),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": t.num_warps})

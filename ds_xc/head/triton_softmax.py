@@ -47,7 +47,9 @@ class TileConfig:
     the number of class splits S (programs of the backward, second grid axis of the forward);
     ``precision`` is tl.dot's input_precision: "ieee" (full fp32) or "tf32" (GPU only, faster);
     ``max_partial_bytes`` caps the backward's S (N, d) fp32 dX partials by using fewer splits
-    there (at least one)."""
+    there (at least one); ``native_dot`` feeds 16-bit inputs to tl.dot without the fp32 upcast
+    (tensor cores; the backward's coefficients rounded to the input dtype), ignored for fp32 inputs
+    and under the interpreter (which computes bf16 on raw bits)."""
     block_m: int = 64
     block_n: int = 64
     block_d: int = 32
@@ -55,6 +57,8 @@ class TileConfig:
     precision: str = "ieee"
     num_warps: int = 4
     max_partial_bytes: int = 1 << 30
+    native_dot: bool = False  # 16-bit tiles straight into tl.dot (GPU only; ops/triton_softmax_kernels.py)
+    num_stages: Optional[int] = None  # software pipelining depth (None: Triton's default)
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_d"):
@@ -121,10 +125,20 @@ def _row_stats(x, w, rx, rw, t32, zt, tiles, scale):
     grid = (_cdiv(n, tiles.block_m), splits)
     forward_stats_kernel[grid](x, w, rx, rw, t32, zt, m, lsum, n, k, d, per, scale,
                                BM=tiles.block_m, BN=tiles.block_n, BD=tiles.block_d,
-                               PRECISION=tiles.precision, num_warps=tiles.num_warps)
+                               PRECISION=tiles.precision, NATIVE=_native(tiles, x, w), **_launch(tiles))
     m_loc = m.max(dim=0).values  # (N,)
     lsum = torch.where(lsum > 0, lsum * torch.exp(m - m_loc[None, :]), torch.zeros_like(lsum)).sum(dim=0)
     return m_loc, lsum
+
+
+def _native(tiles: TileConfig, x: torch.Tensor, w: torch.Tensor) -> bool:
+    """16-bit operands into tl.dot: asked for, both inputs of one 16-bit dtype, compiled (not interpreted)."""
+    return (tiles.native_dot and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)
+            and os.environ.get("TRITON_INTERPRET") != "1")
+
+
+def _launch(tiles: TileConfig) -> dict:
+    return {"num_warps": tiles.num_warps, **({"num_stages": tiles.num_stages} if tiles.num_stages else {})}
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -145,7 +159,7 @@ def _gradients(x, w, rx, rw, t32, lse, gt, need_gx, need_gw, gw, tiles, scale):
     backward_kernel[(splits,)](x, w, rx, rw, t32, lse, gt, gxp, gw_arg, n, k, d, per, scale,
                                NEED_GX=need_gx, NEED_GW=need_gw,
                                BM=tiles.block_m, BN=tiles.block_n, BD=tiles.block_d,
-                               PRECISION=tiles.precision, num_warps=tiles.num_warps)
+                               PRECISION=tiles.precision, NATIVE=_native(tiles, x, w), **_launch(tiles))
     return gxp.sum(dim=0) if need_gx else None  # (N, d)
 
 
