@@ -306,3 +306,33 @@ def test_two_ranks_match_float64_reference(pools, name):
         torch.testing.assert_close(res["gx"].double(), want_gx, rtol=2e-5, atol=2e-5 * want_gx.abs().max().item())
         want_gw = ref_gw[start: start + num_local]
         torch.testing.assert_close(res["gw"].double(), want_gw, rtol=2e-5, atol=2e-5 * want_gw.abs().max().item())
+
+
+def test_auto_takes_triton_for_16_bit_cuda_weights_only():
+    """auto follows the H200 measurements (docs/ops.md): the kernels for bf16/fp16 weights on CUDA,
+    the PyTorch path for float32 weights (fp32 FMA tiles, 4x slower there) and on the CPU."""
+    from types import SimpleNamespace
+
+    def on_cuda(dtype):
+        return SimpleNamespace(dtype=dtype, device=torch.device("cuda", 0))
+
+    assert resolve_softmax("auto", on_cuda(torch.bfloat16), on_cuda(torch.bfloat16)) is triton_fused_loss_and_grads
+    assert resolve_softmax("auto", on_cuda(torch.float32), on_cuda(torch.float16)) is triton_fused_loss_and_grads
+    assert resolve_softmax("auto", on_cuda(torch.float32), on_cuda(torch.float32)) is None
+    assert resolve_softmax("auto", on_cuda(torch.bfloat16), on_cuda(torch.float32)) is None
+
+
+def test_fp32_rows_with_bf16_weights_are_cast_first_as_the_pytorch_path():
+    """The head passes fp32 embeddings with bf16 weights: the kernels take x in the weights' dtype
+    (one 16-bit tile type, tensor cores on a GPU), as fused_loss_and_grads does (x.to(w.dtype))."""
+    from ds_xc.head.softmax import fused_loss_and_grads
+    loss = build_loss(LOSSES["arcface"])
+    x, w, t = _problem(10)
+    wb = w.to(torch.bfloat16)
+    mixed = triton_fused_loss_and_grads(x.float(), wb, t, loss)
+    cast = triton_fused_loss_and_grads(x.float().to(torch.bfloat16), wb, t, loss)
+    for a, b in zip(mixed, cast):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    ref = fused_loss_and_grads(x.float(), wb, t, loss)
+    for a, b in zip(mixed, ref):
+        _close(a, b.double(), 2e-2)

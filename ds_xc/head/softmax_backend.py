@@ -7,8 +7,11 @@ The config key ``extreme_classification.softmax_backend`` takes
 - ``triton``: :func:`ds_xc.head.triton_softmax.triton_fused_loss_and_grads`; an error naming the
   key when Triton does not import, when the tensors are on the CPU without
   ``TRITON_INTERPRET=1`` (the interpreter, slow, for tests), or for float64;
-- ``auto``: triton for CUDA tensors of a supported dtype when Triton imports, else torch
-  (CPU runs keep the PyTorch path). The choice is logged once per (device type, choice).
+- ``auto``: triton for CUDA tensors with 16-bit (bf16, fp16) weights when Triton imports, else
+  torch: on an H200 the kernels with 16-bit tiles ran forward + backward 1.4-2x faster than the
+  PyTorch path, and with float32 weights (fp32 FMA, no tensor cores) 4x slower
+  (benchmarks/results/gpu_check_run3.md). CPU runs keep the PyTorch path. The choice is logged
+  once per (device type, dtype, choice).
 
 As ``ds_xc_ops.builders.load_op``, the kernel module is imported at most once per process, lazily
 (Triton reads ``TRITON_INTERPRET`` when the kernels are decorated), and a failed import is
@@ -86,7 +89,8 @@ def resolve_softmax(backend: str, x: torch.Tensor, w: torch.Tensor) -> Optional[
         if not ok:
             raise ValueError(f"{KEY} = 'triton' cannot run: {why}; use 'auto' or 'torch'")
         return load_triton_softmax()
-    use = w.device.type == "cuda" and dtype_ok and load_triton_softmax() is not None
+    use = (w.device.type == "cuda" and dtype_ok and w.dtype in (torch.bfloat16, torch.float16)
+           and load_triton_softmax() is not None)
     log_once(logger, logging.INFO, f"{KEY} = 'auto' uses {'triton' if use else 'torch'} for {w.device.type} "
-              f"tensors ({w.dtype})")
+              f"tensors ({w.dtype} weights)")
     return load_triton_softmax() if use else None

@@ -72,12 +72,16 @@ class TileConfig:
 
 
 def gpu_tiles(dtype: torch.dtype, num_sms: int) -> TileConfig:
-    """GPU tiles for inputs stored in ``dtype``. 16-bit inputs use tf32 tensor cores: their
-    products are exact in tf32 (8 or 10 mantissa bits fit in its 10), only the backward's fp32
-    coefficients are rounded to tf32. float32 inputs keep "ieee" (fp32 FMA, like torch's default
-    matmul). Sizes: no register spills in ptxas for sm_90 (docs/ops.md); speed unmeasured."""
+    """GPU tiles for inputs stored in ``dtype``. 16-bit inputs go into tl.dot as they are (tensor
+    cores, fp32 accumulation) in 128 x 128 x 64 tiles, 8 warps, 3 stages: the fastest of the
+    configurations swept on an H200 (benchmarks/results/gpu_check_run3.md: forward + backward at
+    N = 1024, d = 128 in 2.27 ms for K = 10^5 and 13.2 ms for K = 10^6, against 3.25 / 26.0 ms for the
+    PyTorch path in one chunk and 4.6 / 30.9 ms for the earlier fp32-upcast tf32 64 x 64 x 32 tiles).
+    float32 inputs keep "ieee" (fp32 FMA, like torch's default matmul): 4x slower than the PyTorch
+    path in that run, which ``softmax_backend: auto`` therefore keeps for float32 weights."""
     if dtype in (torch.bfloat16, torch.float16):
-        return TileConfig(block_m=64, block_n=64, block_d=32, splits=2 * num_sms, precision="tf32", num_warps=8)
+        return TileConfig(block_m=128, block_n=128, block_d=64, splits=2 * num_sms, precision="tf32", num_warps=8,
+                          native_dot=True, num_stages=3)
     return TileConfig(block_m=64, block_n=32, block_d=16, splits=2 * num_sms, precision="ieee", num_warps=8)
 
 
@@ -230,13 +234,16 @@ def triton_fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch
                                 tiles: Optional[TileConfig] = None):
     """Sum of the N loss rows and its gradients, as :func:`ds_xc.head.softmax.fused_loss_and_grads`.
 
-    x (N, d) and w (K, d) fp32, bf16 or fp16 (stored; computed in fp32); targets (N,) int
+    x (N, d) and w (K, d) fp32, bf16 or fp16 (x is cast to a 16-bit w's dtype first, as the PyTorch
+    path does; element-wise work in fp32); targets (N,) int
     column of each row's class in w, or -1 where it lives on another rank of ``group``.
     Returns (total: fp32 scalar, gx (N, d) fp32 or None, gw (K, d) fp32 or None). ``rw``,
     ``gw``, ``accumulate`` and ``finish`` mean what they mean there; ``tiles`` overrides
     :func:`default_tiles`. Every rank of ``group`` must call it with the same N.
     """
     _check(x, w, targets, gw, accumulate)
+    if w.dtype in (torch.bfloat16, torch.float16) and x.dtype != w.dtype:
+        x = x.to(w.dtype)  # as the PyTorch path (x.to(w.dtype)): one 16-bit tile type, on tensor cores
     tiles = tiles or default_tiles(x.device, w.dtype if w.dtype == x.dtype else torch.float32)
     n, k, dev = x.shape[0], w.shape[0], x.device
     x, w = x.contiguous(), w.contiguous()
