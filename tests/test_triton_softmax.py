@@ -316,8 +316,9 @@ def test_auto_takes_triton_for_16_bit_cuda_weights_only():
     def on_cuda(dtype):
         return SimpleNamespace(dtype=dtype, device=torch.device("cuda", 0))
 
-    assert resolve_softmax("auto", on_cuda(torch.bfloat16), on_cuda(torch.bfloat16)) is triton_fused_loss_and_grads
-    assert resolve_softmax("auto", on_cuda(torch.float32), on_cuda(torch.float16)) is triton_fused_loss_and_grads
+    for x_dtype, w_dtype in ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16)):
+        fused = resolve_softmax("auto", on_cuda(x_dtype), on_cuda(w_dtype))
+        assert fused.__wrapped__ is triton_fused_loss_and_grads  # behind the launch-failure fallback
     assert resolve_softmax("auto", on_cuda(torch.float32), on_cuda(torch.float32)) is None
     assert resolve_softmax("auto", on_cuda(torch.bfloat16), on_cuda(torch.float32)) is None
 
@@ -336,3 +337,42 @@ def test_fp32_rows_with_bf16_weights_are_cast_first_as_the_pytorch_path():
     ref = fused_loss_and_grads(x.float(), wb, t, loss)
     for a, b in zip(mixed, ref):
         _close(a, b.double(), 2e-2)
+
+
+def test_auto_falls_back_when_the_kernels_cannot_launch(monkeypatch, caplog):
+    """A GPU with less shared memory than the tiles need: Triton raises OutOfResources at launch.
+    'auto' then runs the PyTorch path (the same result as 'torch') and stays there; 'triton' raises."""
+    import logging
+    from types import SimpleNamespace
+    import ds_xc.head.softmax_backend as sb
+    from ds_xc.head.softmax import fused_loss_and_grads
+
+    class OutOfResources(Exception):  # what triton.runtime.errors raises, by name
+        pass
+
+    calls = []
+
+    def no_launch(*args, **kwargs):
+        calls.append(1)
+        raise OutOfResources("out of resource: shared memory, Required: 262144, Hardware limit: 101376")
+
+    monkeypatch.setattr(sb, "_STATE", {"fn": no_launch, "error": None})
+    monkeypatch.setattr(sb, "interpreting", lambda: True)
+    loss = build_loss(LOSSES["arcface"])
+    x, w, t = _problem(11)
+    wb = w.to(torch.bfloat16)
+    cuda_like = SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cuda", 0))
+    fn = sb.resolve_softmax("auto", cuda_like, cuda_like)  # what fused_loss_and_grads gets on a GPU
+    monkeypatch.setattr(sb, "resolve_softmax", lambda backend, x_, w_: fn if backend == "auto" else no_launch)
+    with caplog.at_level(logging.WARNING):
+        got = fused_loss_and_grads(x, wb, t, loss, backend="auto")
+    want = fused_loss_and_grads(x, wb, t, loss, backend="torch")
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert calls == [1] and "auto_off" in sb._STATE
+    assert any("cannot launch" in r.getMessage() for r in caplog.records)
+    monkeypatch.undo()
+    monkeypatch.setattr(sb, "_STATE", {"fn": no_launch, "error": None, "auto_off": "OutOfResources"})
+    monkeypatch.setattr(sb, "interpreting", lambda: True)
+    assert sb.resolve_softmax("auto", cuda_like, cuda_like) is None  # later calls: the PyTorch path
+    assert sb.resolve_softmax("triton", cuda_like, cuda_like) is no_launch  # explicit: the error itself

@@ -201,9 +201,10 @@ def fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor
     if backend != "torch":
         from ds_xc.head.softmax_backend import resolve_softmax  # lazy: triton loads only when asked
         fused = resolve_softmax(backend, x, w)
-        if fused is not None:
-            return fused(x, w, targets, loss, group, chunk_size, need_gx, need_gw,
-                         rw=rw, gw=gw, accumulate=accumulate, finish=finish)
+        out = None if fused is None else fused(x, w, targets, loss, group, chunk_size, need_gx, need_gw,
+                                               rw=rw, gw=gw, accumulate=accumulate, finish=finish)
+        if out is not None:  # None: auto fell back (the kernels could not launch here)
+            return out
     need_grad = need_gx or need_gw
     red = Reducer(group)
     n_rows, k = x.shape[0], w.shape[0]

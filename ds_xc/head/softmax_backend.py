@@ -11,7 +11,9 @@ The config key ``extreme_classification.softmax_backend`` takes
   torch: on an H200 the kernels with 16-bit tiles ran forward + backward 1.4-2x faster than the
   PyTorch path, and with float32 weights (fp32 FMA, no tensor cores) 4x slower
   (benchmarks/results/gpu_check_run3.md). CPU runs keep the PyTorch path. The choice is logged
-  once per (device type, dtype, choice).
+  once per (device type, dtype, choice). Where the kernels cannot launch (Triton's OutOfResources:
+  a GPU with less shared memory than their tiles need), ``auto`` logs a warning, runs the PyTorch
+  path for that call and every later one; an explicit ``triton`` raises.
 
 As ``ds_xc_ops.builders.load_op``, the kernel module is imported at most once per process, lazily
 (Triton reads ``TRITON_INTERPRET`` when the kernels are decorated), and a failed import is
@@ -19,6 +21,7 @@ logged once and remembered.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 from typing import Callable, Optional
@@ -90,7 +93,24 @@ def resolve_softmax(backend: str, x: torch.Tensor, w: torch.Tensor) -> Optional[
             raise ValueError(f"{KEY} = 'triton' cannot run: {why}; use 'auto' or 'torch'")
         return load_triton_softmax()
     use = (w.device.type == "cuda" and dtype_ok and w.dtype in (torch.bfloat16, torch.float16)
-           and load_triton_softmax() is not None)
+           and "auto_off" not in _STATE and load_triton_softmax() is not None)
     log_once(logger, logging.INFO, f"{KEY} = 'auto' uses {'triton' if use else 'torch'} for {w.device.type} "
               f"tensors ({w.dtype} weights)")
-    return load_triton_softmax() if use else None
+    return _fall_back_on_launch_failure(load_triton_softmax()) if use else None
+
+
+def _fall_back_on_launch_failure(fn: Callable) -> Callable:
+    """``fn`` that returns None instead of raising Triton's OutOfResources (the launch fails before
+    any output is written), and turns ``auto`` to the PyTorch path from then on (logged once)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            if type(exc).__name__ != "OutOfResources":
+                raise
+            _STATE["auto_off"] = f"{type(exc).__name__}: {exc}"
+            log_once(logger, logging.WARNING, f"{KEY} = 'auto': the triton kernels cannot launch here "
+                     f"({_STATE['auto_off']}); the PyTorch path runs from now on")
+            return None
+    return run
