@@ -14,6 +14,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/pfc_reference.py
 TOLERANCE = {"float32": 2e-4, "bfloat16": 3e-2}  # relative error of loss and gradients vs float64
 # budget_s: no new timed configuration starts past it; train_s: the main job's limit (whole check < 7 min)
 FULL_SIZES = {"batch": 1024, "steps": 5, "warmup": 2, "budget_s": 150.0, "train_s": 230, "tests_s": 180}
@@ -55,7 +56,6 @@ def _build_variant(name: str, classes: int, dim: int, dev: str, dtype: str):
     import ds_xc
     sampler, update, backend = VARIANTS[name]
     if sampler is None:  # Partial FC as its users run it: fp32 Parameter, the matmul under autocast
-        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
         from pfc_reference import PartialFCReference
         pfc = PartialFCReference(dim, classes, LOSS, sample_rate=0.1, seed=0, device=dev)
         opt = torch.optim.SGD(pfc.parameters(), **SGD)

@@ -96,7 +96,11 @@ def resolve_softmax(backend: str, x: torch.Tensor, w: torch.Tensor) -> Optional[
            and "auto_off" not in _STATE and load_triton_softmax() is not None)
     log_once(logger, logging.INFO, f"{KEY} = 'auto' uses {'triton' if use else 'torch'} for {w.device.type} "
               f"tensors ({w.dtype} weights)")
-    return _fall_back_on_launch_failure(load_triton_softmax()) if use else None
+    if not use:
+        return None
+    if "auto_fn" not in _STATE:  # wrapped once, not at every forward
+        _STATE["auto_fn"] = _fall_back_on_launch_failure(load_triton_softmax())
+    return _STATE["auto_fn"]
 
 
 def _fall_back_on_launch_failure(fn: Callable) -> Callable:
