@@ -149,10 +149,11 @@ def load_op(kind: str, verbose: bool = False):
     try:
         if not builder.is_compatible(verbose):
             raise RuntimeError(builder.error_log or "not compatible")
-        if kind == "cuda" and arch_list and plain_arch_list(arch_list) != arch_list:
+        plain = plain_arch_list(arch_list) if kind == "cuda" and arch_list else arch_list
+        if plain != arch_list:
             logger.info("building %s for TORCH_CUDA_ARCH_LIST=%r (was %r: DeepSpeed's builder does not parse "
-                        "architecture-specific targets)", builder.NAME, plain_arch_list(arch_list), arch_list)
-            os.environ["TORCH_CUDA_ARCH_LIST"] = plain_arch_list(arch_list)
+                        "architecture-specific targets)", builder.NAME, plain, arch_list)
+            os.environ["TORCH_CUDA_ARCH_LIST"] = plain
         op = builder.load(verbose=verbose)
     except Exception as exc:  # a compiler error, no ninja, no CUDA: fall back to torch
         msg = str(exc).strip() or repr(exc)

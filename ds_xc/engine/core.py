@@ -209,10 +209,13 @@ class XCEngine:
         """Every rank's verdict on this accumulation window (non-finite loss or gradients), all-reduced."""
         bad = self._window_bad or not self._grads_finite()
         self._window_bad = False
-        flag = torch.tensor([1.0 if bad else 0.0], device=comm_device(self.flag_group))
-        if is_distributed(self.flag_group):
+        if is_distributed(self.flag_group):  # the flag where the backend takes it (NCCL: the GPU)
+            flag = torch.tensor([1.0 if bad else 0.0], device=comm_device(self.flag_group))
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.flag_group)
-        if not flag.item():
+            bad_anywhere = bool(flag.item())
+        else:  # one rank: no tensor, no device round trip at every step
+            bad_anywhere = bad
+        if not bad_anywhere:
             return False
         if self.config.extreme_classification.nonfinite == "raise":
             raise FloatingPointError(f"NaN/Inf gradients at step {self.global_steps} (on this rank: {bad}; "

@@ -27,12 +27,12 @@ logits at a time, and the extra memory is S (N, d) fp32 partials of dX plus O(S 
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Optional
 
 import torch
 
 from ds_xc.head.margins import TargetLoss
+from ds_xc_ops.triton_util import interpreting
 from ds_xc.head.softmax import Reducer, finish_weight_grad, inverse_row_norms
 
 __all__ = ["triton_fused_loss_and_grads", "TileConfig", "default_tiles", "gpu_tiles", "SUPPORTED_DTYPES"]
@@ -87,7 +87,7 @@ def gpu_tiles(dtype: torch.dtype, num_sms: int) -> TileConfig:
 
 def default_tiles(device: torch.device, dtype: torch.dtype = torch.float32) -> TileConfig:
     """Small tiles under the interpreter (numpy per block), :func:`gpu_tiles` otherwise."""
-    if os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda":
+    if interpreting() or device.type != "cuda":
         return TileConfig(block_m=16, block_n=16, block_d=16, splits=3, num_warps=1)
     return gpu_tiles(dtype, torch.cuda.get_device_properties(device).multi_processor_count)
 
@@ -138,7 +138,7 @@ def _row_stats(x, w, rx, rw, t32, zt, tiles, scale):
 def _native(tiles: TileConfig, x: torch.Tensor, w: torch.Tensor) -> bool:
     """16-bit operands into tl.dot: asked for, both inputs of one 16-bit dtype, compiled (not interpreted)."""
     return (tiles.native_dot and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)
-            and os.environ.get("TRITON_INTERPRET") != "1")
+            and not interpreting())
 
 
 def _launch(tiles: TileConfig) -> dict:
