@@ -16,11 +16,14 @@ ranks on the plain loopback of one host with the 2x2 layout simulated (topology.
    alternating, median of --repeats after one warm-up, each timed from a barrier to the slowest
    rank's end; the results are checked equal (float tolerance) against each other. Then auto's
    probe (ds_xc.parallel.reduction_probe, a 16 MB bucket as in configs/default.json) is run and
-   its choice reported.
+   its choice reported. Then the head's row exchange (--head_rows rows of --head_dim float32 per
+   rank): forward all-gather + backward reduce-scatter, flat vs the rank-aligned two stages
+   (ds_xc.parallel.node_gather), alternating, median of 3 x --repeats; the forwards compared bitwise.
 2. step: launch/train.py with configs/default.json for --steps steps under the DeepSpeed launcher
    (--no_ssh, one launcher per host; with "/nic" each rank is moved into its namespace by
    benchmarks/rank_netns.sh through --no_python), extreme_classification.topology.reduction =
-   each of --step_modes, --step_repeats runs per mode, alternating (the machine's load drifts),
+   each of --step_modes (topology.head_collectives stays auto: the head's row exchange follows the mode),
+   --step_repeats runs per mode, alternating (the machine's load drifts),
    median. The time per step is a run's training seconds over its steps (the first step's ANN
    index build included in every mode; auto's probe runs at initialize, outside them); 1024
    held-out samples are evaluated at the end. auto's choice is read from the run's log.
@@ -84,12 +87,43 @@ def worker(args) -> None:
             results[mode] = buf
     diff = max(float((results["flat"] - results[m]).abs().max()) for m in modes[1:])
     auto, probe = probe_reduction(hiers["hierarchical"], world, args.probe_numel, 3)
+    head = measure_head_exchange(args, layout, world) if args.head_rows else {}
     if rank == 0:
         with open(args.json, "w") as fh:
             json.dump({"layout": layout.describe(), "times": times, "max_abs_diff": diff, "auto": auto,
-                       "probe": probe}, fh)
+                       "probe": probe, "head": head}, fh)
     dist.barrier(group=world)
     dist.destroy_process_group()
+
+
+def measure_head_exchange(args, layout, world) -> dict:
+    """The head's row exchange, forward all-gather + backward reduce-scatter of (rows, head_dim) float32 per
+    rank: flat (collectives.all_gather_rows) vs the two rank-aligned stages (node_gather.node_gather_rows);
+    {rows: {"flat": [s...], "hierarchical": [s...], "forward_equal": bool}}, the slowest rank per repeat."""
+    import torch
+    import torch.distributed as dist
+
+    from ds_xc.parallel.collectives import all_gather_rows
+    from ds_xc.parallel.node_gather import NodeGather, node_gather_rows
+    plan, out = NodeGather(layout, world), {}
+    for rows in (int(r) for r in args.head_rows.split(",")):
+        x = torch.randn(rows, args.head_dim, generator=torch.Generator().manual_seed(dist.get_rank(world)))
+        up = torch.randn(rows * dist.get_world_size(world), args.head_dim)  # (N, d) upstream gradient
+        times, gathered = {"flat": [], "hierarchical": []}, {}
+        for it in range(3 * args.repeats + 1):
+            for mode in (("flat", "hierarchical") if it % 2 == 0 else ("hierarchical", "flat")):
+                xi = x.clone().requires_grad_(True)
+                dist.barrier(group=world)
+                t = time.perf_counter()
+                y = all_gather_rows(xi, world) if mode == "flat" else node_gather_rows(xi, plan)
+                y.backward(up)
+                took = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+                dist.all_reduce(took, op=dist.ReduceOp.MAX, group=world)
+                if it > 0:
+                    times[mode].append(float(took))
+                gathered[mode] = y.detach()
+        out[rows] = dict(times, forward_equal=bool(torch.equal(gathered["flat"], gathered["hierarchical"])))
+    return out
 
 
 def _run(cmd, timeout):
@@ -113,7 +147,8 @@ def _hosts(where):
 def measure_reduce(args, where: str, tmp: str) -> dict:
     out = os.path.join(tmp, f"reduce_{where}.json".replace("/", "_"))
     script = [os.path.abspath(__file__), "--worker", "--numel", str(args.numel), "--repeats", str(args.repeats),
-              "--json", out, "--chunk_numel", str(args.chunk_numel), "--probe_numel", str(args.probe_numel)]
+              "--json", out, "--chunk_numel", str(args.chunk_numel), "--probe_numel", str(args.probe_numel),
+              "--head_rows", args.head_rows, "--head_dim", str(args.head_dim)]
     if where == "loopback":
         cmd = [os.path.join(BIN, "torchrun"), "--nproc_per_node", "4", "--master_port", str(free_port())] + script + \
             ["--ranks_per_node", "2"]
@@ -175,6 +210,21 @@ def _reduce_table(args, rows) -> list:
     return lines
 
 
+def _head_table(args, rows) -> list:
+    lines = ["", f"## The head's row exchange: all-gather of (rows, {args.head_dim}) float32 per rank + the reduce-scatter "
+             f"of its gradient (median of {3 * args.repeats}, slowest rank, alternating)", "",
+             "flat: one all-gather / reduce-scatter over the 4 ranks (collectives.all_gather_rows); hierarchical: "
+             "the rank-aligned two stages (node_gather.node_gather_rows, `topology.head_collectives`).", "",
+             "| links | rows per rank | flat (ms) | hierarchical (ms) | speed-up | forward bitwise equal |",
+             "|---|---|---|---|---|---|"]
+    for where, r in rows:
+        for n, t in r.get("head", {}).items():
+            f, h = statistics.median(t["flat"]), statistics.median(t["hierarchical"])
+            lines.append(f"| {_link(where, args.rate)} | {int(n):,} | {1e3 * f:.2f} | {1e3 * h:.2f} | {f / h:.2f}x | "
+                         f"{'yes' if t['forward_equal'] else 'NO'} |")
+    return lines
+
+
 def _step_table(args, steps, modes) -> list:
     lines = ["", f"## End-to-end step of configs/default.json ({args.steps} steps, 2 hosts x 2 ranks, "
              "DeepSpeed launcher --no_ssh)", "", f"Median of {args.step_repeats} runs per mode, alternating.", "",
@@ -202,6 +252,8 @@ def main(argv=None) -> int:
     p.add_argument("--rate", default="1gbit")
     p.add_argument("--chunk_numel", type=int, default=1 << 20, help="pipelining chunk of the hierarchical reduce")
     p.add_argument("--probe_numel", type=int, default=(16 << 20) // 4, help="auto's probe (topology.bucket_size_mb)")
+    p.add_argument("--head_rows", default="128,2048", help="rows per rank of the head's row exchange ('' to skip)")
+    p.add_argument("--head_dim", type=int, default=128)
     p.add_argument("--where", default=None,
                    help="comma-separated links of the reduce (default: RATE,RATE/nic,none,none/nic,loopback)")
     p.add_argument("--step_where", default=None, help="links of the step (default: RATE,RATE/nic,none)")
@@ -241,6 +293,8 @@ def main(argv=None) -> int:
              f"Machine: {os.cpu_count()} cores shared with other jobs, load average {load0} at the start "
              f"and {load_average()} at the end; one thread per rank.", ""]
     lines += _reduce_table(args, raw["reduce"])
+    if any(r.get("head") for _, r in raw["reduce"]):
+        lines += _head_table(args, raw["reduce"])
     if raw["step"]:
         lines += _step_table(args, raw["step"], modes)
     text = "\n".join(lines) + "\n"

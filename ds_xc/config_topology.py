@@ -42,6 +42,13 @@ class TopologyConfig(Section):
         "each step from every rank's row count, alike on every rank; the mean is the same. ds_xc then owns the "
         "backbone's reduction (fp32, ZeRO stage 0), in buckets from the gradient hooks; not with "
         "gradient_compression (its selection already works on the nonzeros).")
+    head_collectives: Literal["auto", "flat", "hierarchical"] = Field(
+        "auto", description="The head's row exchange (the all-gather of embeddings and labels, the reduce-scatter "
+        "of their gradient): flat = one all-gather over the head's group; hierarchical = two rank-aligned stages, "
+        "an all-gather among the ranks with the same local rank on every node, then one inside the node (each "
+        "row crosses the nodes once; ds_xc/parallel/node_gather.py); auto = hierarchical when the backbone's "
+        "reduction is (the same layout and probe), else flat. Needs a head group that spans the world, "
+        "input_parallel 'data' and no overlap pipeline (whose chunked gathers stay flat).")
     probe_repeats: int = Field(
         3, ge=0, le=100, description="auto only: timed repeats of each reduction on the probe (after one "
         "warm-up each, alternating; the slowest rank's time, the median; the group's first rank decides and "

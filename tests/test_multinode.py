@@ -5,6 +5,7 @@ no-ssh multi-node mode (and a resume under torchrun --nnodes 2).
 * The 2x2 run's training loss and held-out top-1 equal the 4-rank single-host run with the
   same seeds (float tolerance: across hosts the backbone is reduced hierarchically, on one
   host flat, so only the order of the additions differs).
+  The head's row exchange runs in its two rank-aligned stages there (topology.head_collectives auto).
 * Resume across hosts is bitwise: the 2x2 run's step-4 checkpoint (save_every 2) resumed to 6
   (under torchrun), and every weight of the step-6 checkpoint equals the uninterrupted 2x2 run's.
 * A checkpoint folder that is not shared (host 1 sees its own empty tmpfs at the same path)
@@ -139,6 +140,7 @@ def test_two_hosts_equal_one_host_and_resume_bitwise(tmp_path):
     out = _run(_deepspeed_hosts(tmp_path, ["--deepspeed_config", cfg, "--save_dir", two, "--summary_json",
                                            two + ".json", "--verbose", "--set", "xc_train.save_every=2"]))
     assert "2 node(s) x 2 rank(s)" in out and "hierarchical reduction" in out  # the layout came from the launcher
+    assert "the head's row exchange runs in two rank-aligned stages" in out  # head_collectives auto follows
     ref, got = _summary(one + ".json"), _summary(two + ".json")
     assert ref["world_size"] == got["world_size"] == 4 and got["steps"] == 6
     assert got["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-4, abs=1e-5)

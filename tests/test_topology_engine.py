@@ -18,12 +18,12 @@ FAKE_TIMES = {"hier": lambda rank: {"flat": 2.0, "hierarchical": 1.0},
               "mixed": lambda rank: {"flat": 2.0, "hierarchical": 1.0 if rank == 0 else 3.0}}
 
 
-def _steps(rank, world, reduction, rpn, gas, overlap=False, stage=0, fake="hier"):
+def _steps(rank, world, reduction, rpn, gas, overlap=False, stage=0, fake="hier", head="auto"):
     from ds_xc.parallel import reduction_probe
     body = _backbone()
     cfg = _config(stage, gas)
     cfg["extreme_classification"]["topology"] = {"reduction": reduction, "ranks_per_node": rpn,
-                                                 "bucket_size_mb": 1e-5}
+                                                 "bucket_size_mb": 1e-5, "head_collectives": head}
     if overlap:
         cfg["extreme_classification"]["overlap"] = {"enabled": True, "num_chunks": 2, "bucket_size_mb": 1e-5}
     calls, real = [], reduction_probe.time_one
@@ -45,7 +45,8 @@ def _steps(rank, world, reduction, rpn, gas, overlap=False, stage=0, fake="hier"
     reducer = xc.grad_reducer
     return {"w1": xc.head.weight.detach().clone(), "a1": xc.engine.module.weight.detach().clone(),
             "losses": losses, "steps": xc.global_steps, "allreduce_on": xc.engine.enable_backward_allreduce,
-            "hier": reducer is not None and reducer.reduction is not None, "probe_calls": len(calls)}
+            "hier": reducer is not None and reducer.reduction is not None, "probe_calls": len(calls),
+            "head_hier": xc.head.node_gather is not None}
 
 
 @pytest.mark.parametrize("world,reduction,rpn,gas,overlap,fake", [
@@ -64,6 +65,7 @@ def test_hierarchical_engine_step_matches_reference(pools, world, reduction, rpn
         torch.testing.assert_close(r["w1"].double(), expected, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(r["a1"].double(), a0.detach() - LR_BODY * a0.grad, rtol=1e-5, atol=1e-6)
         assert r["hier"] == expect_hier and r["allreduce_on"] == (not expect_hier and not overlap)
+        assert r["head_hier"] == (expect_hier and not overlap)  # head_collectives auto follows (not under overlap)
         assert torch.equal(r["a1"], res[0]["a1"])  # the same backbone bits on every rank
 
 
@@ -72,12 +74,35 @@ def test_forced_hierarchical_refused_under_zero2(pools):
         pools(4).run(_steps, "hierarchical", 2, 1, False, 2)
 
 
+@pytest.mark.parametrize("reduction,rpn,overlap,match", [
+    ("auto", 0, False, "on 1 node"), ("hierarchical", 2, True, "with the overlap pipeline")])
+def test_forced_hierarchical_head_collectives_refused(pools, reduction, rpn, overlap, match):
+    with pytest.raises(RuntimeError, match=f"topology.head_collectives='hierarchical' {match}"):
+        pools(4).run(_steps, reduction, rpn, 1, overlap, 0, "hier", "hierarchical")
+
+
+def _head_forced(rank, world):
+    """head_collectives forced while the backbone's reduction stays flat: the head alone runs in two stages."""
+    return _steps(rank, world, "flat", 2, 1, head="hierarchical")
+
+
+def test_forced_head_collectives_with_flat_backbone(pools):
+    res = pools(4).run(_head_forced)
+    a0, w0 = check_one_step_against_reference(res, 4, 1)
+    for rank, r in enumerate(res):
+        start, n = shard_range(C, 4, rank)
+        torch.testing.assert_close(r["w1"].double(), w0.detach()[start: start + n] - LR_HEAD * w0.grad[start: start + n],
+                                   rtol=1e-5, atol=1e-6)
+        assert r["head_hier"] and not r["hier"] and r["allreduce_on"]
+
+
 def _compressed(rank, world, by_topology):
     body = _backbone()
     cfg = _config(0, 1)
     cfg["gradient_compression"] = {"method": "topk", "density": 0.3, "min_numel": 1, "warmup_steps": 1}
     if by_topology:  # the node groups from the (simulated) layout, not set by hand
-        cfg["extreme_classification"]["topology"] = {"reduction": "auto", "ranks_per_node": 2, "probe_repeats": 0}
+        cfg["extreme_classification"]["topology"] = {"reduction": "auto", "ranks_per_node": 2, "probe_repeats": 0,
+                                                     "head_collectives": "flat"}  # the head alike in both runs
     else:
         cfg["gradient_compression"]["hierarchy"] = {"ranks_per_node": 2}
     xc = ds_xc.initialize(model=body, optimizer=torch.optim.SGD(body.parameters(), lr=LR_BODY), config=cfg)

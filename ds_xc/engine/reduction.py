@@ -24,13 +24,14 @@ import torch
 from ds_xc.config import HEAD_SECTION, ConfigError
 from ds_xc.parallel import reduction_probe
 from ds_xc.parallel.buckets import BucketedGradReducer
-from ds_xc.parallel.groups import copy_subgroups, spans_world
+from ds_xc.parallel.groups import copy_subgroups, group_ranks, spans_world
 from ds_xc.parallel.hierarchical import HierarchicalAllReduce
+from ds_xc.parallel.node_gather import NodeGather
 from ds_xc.parallel.topology import NodeLayout, choose_reduction, detect_layout
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DenseReduction", "plan_reduction", "compression_nodes", "take_over_reduction", "check_sparse_rows",
+__all__ = ["DenseReduction", "plan_reduction", "plan_head_collectives", "compression_nodes", "take_over_reduction", "check_sparse_rows",
            "row_sparse_params", "embedding_tables"]
 
 
@@ -71,6 +72,37 @@ def plan_reduction(engine, topology, group, compression: bool) -> DenseReduction
     log.info("topology: %s, %s reduction (%s.topology.reduction=%r)", layout.describe(), mode, HEAD_SECTION,
              topology.reduction)
     return DenseReduction(layout=layout, mode=mode, hier=hier, probe=probe)
+
+
+def plan_head_collectives(head, plan: DenseReduction, topology, overlap_enabled: bool) -> None:
+    """Resolve ``topology.head_collectives`` and give ``head`` a NodeGather when the answer is hierarchical.
+
+    Collective over the world when it builds one (the node groups). auto follows the backbone's reduction
+    (``plan.mode``: the same layout, and auto's probe where it ran); the head must hold its classes over the
+    data-parallel group's ranks (the layout's), span the world, take ``input_parallel='data'`` rows and run
+    without the overlap pipeline. A forced ``hierarchical`` that cannot run is refused naming the key."""
+    mode = topology.head_collectives
+    if mode == "flat":
+        return
+    layout, key = plan.layout, f"{HEAD_SECTION}.topology.head_collectives"
+    members = sorted(r for node in layout.nodes for r in node)
+    why = None
+    if not (layout.regular and layout.num_nodes > 1 and layout.ranks_per_node > 1):
+        why = f"on {layout.describe()} (needs more than one node, the same number (> 1) of ranks on each)"
+    elif sorted(group_ranks(head.group)) != members or not spans_world(head.group):
+        why = "with a head group other than the data-parallel group spanning the world"
+    elif head.input_parallel != "data" or head.replicas.size > 1:
+        why = f"with input_parallel={head.input_parallel!r} / replicas: the head gathers no rows across nodes"
+    elif overlap_enabled:
+        why = "with the overlap pipeline (its chunked gathers stay flat)"
+    if why is not None and mode == "hierarchical":
+        raise ConfigError(f"{key}='hierarchical' {why}; use 'auto' or 'flat'")
+    if why is not None or (mode == "auto" and plan.mode != "hierarchical"):
+        log.info("topology: the head's row exchange is flat (%s=%r, %s)", key, mode,
+                 why or "the backbone's reduction is flat")
+        return
+    head.node_gather = NodeGather(layout, head.group)
+    log.info("topology: the head's row exchange runs in two rank-aligned stages across %s", layout.describe())
 
 
 def compression_nodes(plan: DenseReduction, compression_cfg, overlap_cfg):

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from ds_xc import config as cfg
 from ds_xc.config_schedule import check_no_scheduler_clash
 from ds_xc.engine.core import XCEngine
-from ds_xc.engine.reduction import (check_sparse_rows, compression_nodes, plan_reduction, row_sparse_params,
-                                   take_over_reduction)
+from ds_xc.engine.reduction import (check_sparse_rows, compression_nodes, plan_head_collectives, plan_reduction,
+                                   row_sparse_params, take_over_reduction)
 from ds_xc.head import ClassParallelHead, build_head_optimizer
 from ds_xc.optim.deepspeed import attach_partition_layouts, build_backbone_optimizer, check_backbone_optimizer
 from ds_xc.parallel.agree import agree, all_or_none
@@ -188,6 +188,7 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
     check_sparse_rows(engine, head_cfg.topology, comp_on)
     rows = row_sparse_params(engine, head_cfg.topology)  # embedding tables sent as rows (topology.sparse_rows)
     plan = plan_reduction(engine, head_cfg.topology, dp_group, comp_on)  # the node layout, flat or hierarchical
+    plan_head_collectives(head, plan, head_cfg.topology, head_cfg.overlap.enabled)  # the head's row exchange
     if comp_on:
         from ds_xc.compression import attach_to_engine  # takes over the backbone's reduction
         compression = attach_to_engine(engine, comp_cfg, group=dp_group,

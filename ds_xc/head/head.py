@@ -27,12 +27,13 @@ import torch.nn.functional as F
 from ds_xc import config as cfg
 from ds_xc.head.checks import BAD_INPUT, Verdict, decide, fill_verdict, local_problem
 from ds_xc.head.margins import TargetLoss, build_loss
-from ds_xc.head.partition import shard_range
+from ds_xc.head.partition import init_shard, shard_range
 from ds_xc.head.replicas import Replicas
 from ds_xc.head.softmax import sharded_margin_loss
 from ds_xc.parallel.collectives import (all_gather_no_grad, all_gather_rows, exchange_sizes, merge_topk,
                                         replicated_rows, scale_grad)
 from ds_xc.parallel.groups import group_rank, group_size, is_distributed, resolve_group
+from ds_xc.parallel.node_gather import node_gather_rows
 from ds_xc.sampling import ActiveSet, build_sampler
 from ds_xc_ops.logs import log_once
 from ds_xc.head.softmax_backend import SOFTMAX_BACKENDS
@@ -44,28 +45,7 @@ __all__ = ["ClassParallelHead", "init_shard"]
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 UPDATES = ("auto",) + cfg.UPDATE_MODES  # extreme_classification.optimizer.update
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
-_INIT_BLOCK = 1 << 16  # rows per init block: the init of a class does not depend on the world size
 INPUT_PARALLEL = ("data", "replicated")  # extreme_classification.input_parallel
-
-
-def init_shard(num_classes: int, dim: int, start: int, count: int, std: float, seed: int,
-               dtype=torch.float32, device=None) -> torch.Tensor:
-    """Rows [start, start+count) of a N(0, std^2) matrix that is a pure function of (seed, row).
-
-    Generated in fixed blocks of global rows, so every world size (and a resharded
-    checkpoint) sees the same initial weights for the same class.
-    """
-    out = torch.empty((count, dim), dtype=dtype, device=device)
-    first, last = start // _INIT_BLOCK, (start + count - 1) // _INIT_BLOCK if count else -1
-    gen = torch.Generator(device="cpu")
-    for b in range(first, last + 1):
-        b0 = b * _INIT_BLOCK
-        rows = min(_INIT_BLOCK, num_classes - b0)
-        gen.manual_seed((int(seed) * 1_000_003 + b) % (2**63))
-        block = torch.randn((rows, dim), generator=gen, dtype=torch.float32).mul_(std)
-        lo, hi = max(start, b0), min(start + count, b0 + rows)
-        out[lo - start: hi - start] = block[lo - b0: hi - b0].to(dtype)
-    return out
 
 
 class ClassParallelHead(nn.Module):
@@ -106,6 +86,9 @@ class ClassParallelHead(nn.Module):
         replica_group: the ranks holding a copy of this shard (2-D layout, ds_xc/head/replicas.py;
             None: no replicas). The loss is then the mean over the union of every rank's rows and the
             shard gradient is summed over ``replica_group`` before the head optimizer steps.
+
+    Attribute ``node_gather``: set it to a :class:`ds_xc.parallel.node_gather.NodeGather` over ``group``
+    to exchange the rows across nodes in two rank-aligned stages (``topology.head_collectives``).
     """
 
     def __init__(self, embedding_dim: int, num_classes: int, loss="softmax", sampler="full",
@@ -132,6 +115,7 @@ class ClassParallelHead(nn.Module):
         self.group = resolve_group(group)  # None: the world, named explicitly
         self.rank, self.world_size = group_rank(group), group_size(group)
         self.replicas = Replicas(replica_group)  # the 2-D layout's second dimension (inactive: 1-D)
+        self.node_gather = None  # a NodeGather over `group`: the row exchange across nodes (None: the flat gather)
         self.embedding_dim, self.num_classes = int(embedding_dim), int(num_classes)
         self.class_start, self.num_local = shard_range(self.num_classes, self.world_size, self.rank)
         self.loss_fn: TargetLoss = build_loss(loss)
@@ -273,6 +257,9 @@ class ClassParallelHead(nn.Module):
         if self.input_parallel == "replicated":  # the rows are the global batch already: (B, d), (B,)
             return replicated_rows(scale_grad(embeddings, float(dp)), self.group), labels.to(torch.int64)
         sizes = None if batch_sizes is None or len(set(batch_sizes)) <= 1 else list(batch_sizes)
+        if self.node_gather is not None:  # two rank-aligned stages across nodes (ds_xc/parallel/node_gather.py)
+            x = node_gather_rows(embeddings, self.node_gather, sizes, grad_scale=float(self.world_size * dp))
+            return x, self.node_gather.gather(labels.to(torch.int64), sizes)
         x = all_gather_rows(embeddings, self.group, sizes, grad_scale=float(self.world_size * dp))
         y = all_gather_no_grad(labels.to(torch.int64), self.group, sizes)
         return x, y

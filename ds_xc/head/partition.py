@@ -1,10 +1,15 @@
-"""How classes are split over ranks: contiguous ranges, Partial FC's balanced rule.
+"""How classes are split over ranks: contiguous ranges, Partial FC's balanced rule, and the
+per-class initial weights that do not depend on the split.
 
 ``num_local(r) = C // P + (r < C % P)``; rank r owns ``[start(r), start(r) + num_local(r))``.
 """
 from __future__ import annotations
 
-__all__ = ["shard_range", "shard_sizes", "owner_of"]
+import torch
+
+__all__ = ["shard_range", "shard_sizes", "owner_of", "init_shard"]
+
+_INIT_BLOCK = 1 << 16  # rows per init block: the init of a class does not depend on the world size
 
 
 def shard_sizes(num_classes: int, world_size: int) -> list[int]:
@@ -33,3 +38,23 @@ def owner_of(label: int, num_classes: int, world_size: int) -> int:
     base, extra = divmod(num_classes, world_size)
     big = extra * (base + 1)  # classes held by the first `extra` ranks
     return label // (base + 1) if label < big else extra + (label - big) // base
+
+
+def init_shard(num_classes: int, dim: int, start: int, count: int, std: float, seed: int,
+               dtype=torch.float32, device=None) -> torch.Tensor:
+    """Rows [start, start+count) of a N(0, std^2) matrix that is a pure function of (seed, row).
+
+    Generated in fixed blocks of global rows, so every world size (and a resharded
+    checkpoint) sees the same initial weights for the same class.
+    """
+    out = torch.empty((count, dim), dtype=dtype, device=device)
+    first, last = start // _INIT_BLOCK, (start + count - 1) // _INIT_BLOCK if count else -1
+    gen = torch.Generator(device="cpu")
+    for b in range(first, last + 1):
+        b0 = b * _INIT_BLOCK
+        rows = min(_INIT_BLOCK, num_classes - b0)
+        gen.manual_seed((int(seed) * 1_000_003 + b) % (2**63))
+        block = torch.randn((rows, dim), generator=gen, dtype=torch.float32).mul_(std)
+        lo, hi = max(start, b0), min(start + count, b0 + rows)
+        out[lo - start: hi - start] = block[lo - b0: hi - b0].to(dtype)
+    return out
