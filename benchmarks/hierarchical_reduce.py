@@ -22,9 +22,10 @@ ranks on the plain loopback of one host with the 2x2 layout simulated (topology.
 2. step: launch/train.py with configs/default.json for --steps steps under the DeepSpeed launcher
    (--no_ssh, one launcher per host; with "/nic" each rank is moved into its namespace by
    benchmarks/rank_netns.sh through --no_python), extreme_classification.topology.reduction =
-   each of --step_modes (topology.head_collectives stays auto: the head's row exchange follows the mode),
+   each of --step_modes (topology.head_collectives stays auto: its own probe picks the head's row exchange),
    --step_repeats runs per mode, alternating (the machine's load drifts),
-   median. The time per step is a run's training seconds over its steps (the first step's ANN
+   median, after one untimed 1-step run per link (the first launch of a revision JIT-builds the C++
+   ops). The time per step is a run's training seconds over its steps (the first step's ANN
    index build included in every mode; auto's probe runs at initialize, outside them); 1024
    held-out samples are evaluated at the end. auto's choice is read from the run's log.
 
@@ -179,9 +180,11 @@ def measure_step(args, where: str, mode: str, tmp: str) -> dict:
     log = _run(cmd, 1800)
     with open(out) as fh:
         s = json.load(fh)
-    chosen = re.findall(r"topology: auto probe .*?flat ([0-9.]+) s, hierarchical ([0-9.]+) s -> (\w+)", log)
+    chosen = re.findall(r"topology: auto probe of the reduction.*?flat ([0-9.]+) s, hierarchical ([0-9.]+) s -> (\w+)",
+                        log)
+    head = re.findall(r"topology: auto probe of the head's row exchange.*? -> (\w+)", log)
     return {"step_s": s["seconds"] / s["steps"], "final_loss": s["final_loss"],
-            "auto": chosen[0][2] if chosen else None}
+            "auto": chosen[0][2] if chosen else None, "head": head[0] if head else None}
 
 
 def _link(where: str, rate: str) -> str:
@@ -211,8 +214,8 @@ def _reduce_table(args, rows) -> list:
 
 
 def _head_table(args, rows) -> list:
-    lines = ["", f"## The head's row exchange: all-gather of (rows, {args.head_dim}) float32 per rank + the reduce-scatter "
-             f"of its gradient (median of {3 * args.repeats}, slowest rank, alternating)", "",
+    lines = ["", f"## The head's row exchange: all-gather of (rows, {args.head_dim}) float32 per rank + the "
+             f"reduce-scatter of its gradient (median of {3 * args.repeats}, slowest rank, alternating)", "",
              "flat: one all-gather / reduce-scatter over the 4 ranks (collectives.all_gather_rows); hierarchical: "
              "the rank-aligned two stages (node_gather.node_gather_rows, `topology.head_collectives`).", "",
              "| links | rows per rank | flat (ms) | hierarchical (ms) | speed-up | forward bitwise equal |",
@@ -228,17 +231,20 @@ def _head_table(args, rows) -> list:
 def _step_table(args, steps, modes) -> list:
     lines = ["", f"## End-to-end step of configs/default.json ({args.steps} steps, 2 hosts x 2 ranks, "
              "DeepSpeed launcher --no_ssh)", "", f"Median of {args.step_repeats} runs per mode, alternating.", "",
+             "The head's row exchange (topology.head_collectives auto) is probed in every mode's run on its own; "
+             "'head picks' lists its choice per mode.", "",
              "| links | " + " | ".join(f"{m} (s/step)" for m in modes) + " | hierarchical speed-up | auto picks | "
-             "auto vs flat | each run (s/step), " + " / ".join(modes) + " | final loss, " + " / ".join(modes) + " |",
-             "|---" * (len(modes) + 6) + "|"]
+             "head picks | auto vs flat | each run (s/step), " + " / ".join(modes) + " | final loss, " +
+             " / ".join(modes) + " |", "|---" * (len(modes) + 7) + "|"]
     for where, runs in steps:
         med = {m: statistics.median(r["step_s"] for r in runs[m]) for m in modes}
         picks = sorted({r["auto"] for r in runs.get("auto", []) if r["auto"]})
+        heads = sorted({f"{m}: {r['head']}" for m in modes for r in runs[m] if r.get("head")})
         each = " / ".join(", ".join(f"{r['step_s']:.2f}" for r in runs[m]) for m in modes)
         speed = f"{med['flat'] / med['hierarchical']:.2f}x" if {"flat", "hierarchical"} <= set(modes) else "-"
         auto = f"{med['flat'] / med['auto']:.2f}x" if {"flat", "auto"} <= set(modes) else "-"
         lines.append(f"| {_link(where, args.rate)} | " + " | ".join(f"{med[m]:.3f}" for m in modes) +
-                     f" | {speed} | {', '.join(picks) or '-'} | {auto} | {each} | " +
+                     f" | {speed} | {', '.join(picks) or '-'} | {'; '.join(heads) or '-'} | {auto} | {each} | " +
                      " / ".join(f"{runs[m][0]['final_loss']:.4f}" for m in modes) + " |")
     return lines
 
@@ -259,6 +265,7 @@ def main(argv=None) -> int:
     p.add_argument("--step_where", default=None, help="links of the step (default: RATE,RATE/nic,none)")
     p.add_argument("--step_modes", default="flat,hierarchical,auto")
     p.add_argument("--skip_steps", action="store_true", help="only the reduce measurement")
+    p.add_argument("--skip_reduce", action="store_true", help="only the step measurement")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "hierarchical_reduce.md"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
@@ -275,11 +282,14 @@ def main(argv=None) -> int:
     raw = {"revision": rev, "reduce": [], "step": [], "load": [load0]}
     raw_path = "-" if args.out == "-" else os.path.splitext(args.out)[0] + ".json"
     with tempfile.TemporaryDirectory() as tmp:
-        for where in args.where.split(","):
+        for where in ([] if args.skip_reduce else args.where.split(",")):
             raw["reduce"].append((where, measure_reduce(args, where, tmp)))
             print(raw["reduce"][-1], load_average(), flush=True)
             write_report(raw_path, json.dumps(raw, indent=1))
         for where in ([] if args.skip_steps else args.step_where.split(",")):
+            # untimed warm-up run: the first launch of a revision JIT-builds the C++ ops (tens of seconds) inside
+            # its first step, which would land on whichever mode runs first
+            measure_step(argparse.Namespace(**dict(vars(args), steps=1)), where, modes[0], tmp)
             runs: dict = {m: [] for m in modes}
             for _ in range(args.step_repeats):  # alternating: the machine's load drifts
                 for m in runs:
@@ -292,7 +302,8 @@ def main(argv=None) -> int:
              f"Command: `sudo {command}`  ", f"Revision: {rev}  ",
              f"Machine: {os.cpu_count()} cores shared with other jobs, load average {load0} at the start "
              f"and {load_average()} at the end; one thread per rank.", ""]
-    lines += _reduce_table(args, raw["reduce"])
+    if raw["reduce"]:
+        lines += _reduce_table(args, raw["reduce"])
     if any(r.get("head") for _, r in raw["reduce"]):
         lines += _head_table(args, raw["reduce"])
     if raw["step"]:

@@ -46,10 +46,12 @@ class TopologyConfig(Section):
         "auto", description="The head's row exchange (the all-gather of embeddings and labels, the reduce-scatter "
         "of their gradient): flat = one all-gather over the head's group; hierarchical = two rank-aligned stages, "
         "an all-gather among the ranks with the same local rank on every node, then one inside the node (each "
-        "row crosses the nodes once; ds_xc/parallel/node_gather.py); auto = hierarchical when the backbone's "
-        "reduction is (the same layout and probe), else flat. Needs a head group that spans the world, "
-        "input_parallel 'data' and no overlap pipeline (whose chunked gathers stay flat).")
+        "row crosses the nodes once; ds_xc/parallel/node_gather.py); auto = where the two stages can run (more "
+        "than one node with the same number > 1 of ranks on each), time both on a micro-batch of rows at "
+        "initialize (probe_repeats; hierarchical only when at least 5% faster; 0 = no probe: hierarchical), else "
+        "flat. Needs a head group that spans the world, input_parallel 'data' and no overlap pipeline (whose "
+        "chunked gathers stay flat).")
     probe_repeats: int = Field(
-        3, ge=0, le=100, description="auto only: timed repeats of each reduction on the probe (after one "
-        "warm-up each, alternating; the slowest rank's time, the median; the group's first rank decides and "
-        "broadcasts). 0 = no probe: auto is hierarchical whenever the layout allows it.")
+        3, ge=0, le=100, description="auto only (reduction and head_collectives): timed repeats of each mode on "
+        "the probe (after one warm-up each, alternating; the slowest rank's time, the median; the group's first "
+        "rank decides and broadcasts). 0 = no probe: auto is hierarchical whenever the layout allows it.")

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 D, SCALE = 5, 2.5
-SIZE_CASES = {"equal": lambda r, w: 3, "uneven": lambda r, w: (2 * r + 1) % 4, "one_empty": lambda r, w: 0 if r == w - 1 else r + 2}
+SIZE_CASES = {"equal": lambda r, w: 3, "uneven": lambda r, w: (2 * r + 1) % 4,
+              "one_empty": lambda r, w: 0 if r == w - 1 else r + 2}
 
 
 def _layout(rank, world, rpn, order):

@@ -26,17 +26,23 @@ def _steps(rank, world, reduction, rpn, gas, overlap=False, stage=0, fake="hier"
                                                  "bucket_size_mb": 1e-5, "head_collectives": head}
     if overlap:
         cfg["extreme_classification"]["overlap"] = {"enabled": True, "num_chunks": 2, "bucket_size_mb": 1e-5}
-    calls, real = [], reduction_probe.time_one
+    from ds_xc.parallel import node_gather
+    calls, real, real_exchange = [], reduction_probe.time_one, node_gather.time_exchange
 
     def timed(hier, group, mode, buf):  # the real reduction, the injected time
         calls.append(mode)
         real(hier, group, mode, buf)
         return FAKE_TIMES[fake](rank)[mode]
-    reduction_probe.time_one = timed
+
+    def timed_exchange(plan, group, mode, rows):  # the head's probe: the real exchange, the injected time
+        calls.append(("head", mode))
+        real_exchange(plan, group, mode, rows)
+        return FAKE_TIMES[fake](rank)[mode]
+    reduction_probe.time_one, node_gather.time_exchange = timed, timed_exchange
     try:
         xc = ds_xc.initialize(model=body, optimizer=torch.optim.SGD(body.parameters(), lr=LR_BODY), config=cfg)
     finally:
-        reduction_probe.time_one = real
+        reduction_probe.time_one, node_gather.time_exchange = real, real_exchange
     losses = []
     for micro in range(gas):
         x, y = _batch(micro, rank)
@@ -45,7 +51,9 @@ def _steps(rank, world, reduction, rpn, gas, overlap=False, stage=0, fake="hier"
     reducer = xc.grad_reducer
     return {"w1": xc.head.weight.detach().clone(), "a1": xc.engine.module.weight.detach().clone(),
             "losses": losses, "steps": xc.global_steps, "allreduce_on": xc.engine.enable_backward_allreduce,
-            "hier": reducer is not None and reducer.reduction is not None, "probe_calls": len(calls),
+            "hier": reducer is not None and reducer.reduction is not None,
+            "probe_calls": sum(1 for c in calls if not isinstance(c, tuple)),
+            "head_probe_calls": sum(1 for c in calls if isinstance(c, tuple)),
             "head_hier": xc.head.node_gather is not None}
 
 
@@ -65,7 +73,9 @@ def test_hierarchical_engine_step_matches_reference(pools, world, reduction, rpn
         torch.testing.assert_close(r["w1"].double(), expected, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(r["a1"].double(), a0.detach() - LR_BODY * a0.grad, rtol=1e-5, atol=1e-6)
         assert r["hier"] == expect_hier and r["allreduce_on"] == (not expect_hier and not overlap)
-        assert r["head_hier"] == (expect_hier and not overlap)  # head_collectives auto follows (not under overlap)
+        head_probed = rpn == 2 and not overlap  # head_collectives auto: its own probe where the two stages can run
+        assert r["head_probe_calls"] == (8 if head_probed else 0)
+        assert r["head_hier"] == (head_probed and fake == "hier")
         assert torch.equal(r["a1"], res[0]["a1"])  # the same backbone bits on every rank
 
 
@@ -91,8 +101,8 @@ def test_forced_head_collectives_with_flat_backbone(pools):
     a0, w0 = check_one_step_against_reference(res, 4, 1)
     for rank, r in enumerate(res):
         start, n = shard_range(C, 4, rank)
-        torch.testing.assert_close(r["w1"].double(), w0.detach()[start: start + n] - LR_HEAD * w0.grad[start: start + n],
-                                   rtol=1e-5, atol=1e-6)
+        expected = w0.detach()[start: start + n] - LR_HEAD * w0.grad[start: start + n]
+        torch.testing.assert_close(r["w1"].double(), expected, rtol=1e-5, atol=1e-6)
         assert r["head_hier"] and not r["hier"] and r["allreduce_on"]
 
 

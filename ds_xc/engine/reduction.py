@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from ds_xc.config import HEAD_SECTION, ConfigError
-from ds_xc.parallel import reduction_probe
+from ds_xc.parallel import node_gather, reduction_probe
 from ds_xc.parallel.buckets import BucketedGradReducer
 from ds_xc.parallel.groups import copy_subgroups, group_ranks, spans_world
 from ds_xc.parallel.hierarchical import HierarchicalAllReduce
@@ -31,8 +31,8 @@ from ds_xc.parallel.topology import NodeLayout, choose_reduction, detect_layout
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DenseReduction", "plan_reduction", "plan_head_collectives", "compression_nodes", "take_over_reduction", "check_sparse_rows",
-           "row_sparse_params", "embedding_tables"]
+__all__ = ["DenseReduction", "plan_reduction", "plan_head_collectives", "compression_nodes", "take_over_reduction",
+           "check_sparse_rows", "row_sparse_params", "embedding_tables"]
 
 
 @dataclass
@@ -74,13 +74,14 @@ def plan_reduction(engine, topology, group, compression: bool) -> DenseReduction
     return DenseReduction(layout=layout, mode=mode, hier=hier, probe=probe)
 
 
-def plan_head_collectives(head, plan: DenseReduction, topology, overlap_enabled: bool) -> None:
+def plan_head_collectives(head, plan: DenseReduction, topology, overlap_enabled: bool, rows: int) -> None:
     """Resolve ``topology.head_collectives`` and give ``head`` a NodeGather when the answer is hierarchical.
 
-    Collective over the world when it builds one (the node groups). auto follows the backbone's reduction
-    (``plan.mode``: the same layout, and auto's probe where it ran); the head must hold its classes over the
-    data-parallel group's ranks (the layout's), span the world, take ``input_parallel='data'`` rows and run
-    without the overlap pipeline. A forced ``hierarchical`` that cannot run is refused naming the key."""
+    Where the two stages can run (more than one node, the same number > 1 of ranks on each; the head's
+    classes held over the data-parallel group's ranks, spanning the world; ``input_parallel='data'``; no overlap
+    pipeline), ``auto`` times both exchanges of a micro-batch of ``rows`` rows of the head's width at initialize
+    (the probe of the dense reduction, ``topology.probe_repeats``; 0: hierarchical) and keeps the faster; a
+    forced ``hierarchical`` that cannot run is refused naming the key. Collective over the world."""
     mode = topology.head_collectives
     if mode == "flat":
         return
@@ -90,18 +91,28 @@ def plan_head_collectives(head, plan: DenseReduction, topology, overlap_enabled:
     if not (layout.regular and layout.num_nodes > 1 and layout.ranks_per_node > 1):
         why = f"on {layout.describe()} (needs more than one node, the same number (> 1) of ranks on each)"
     elif sorted(group_ranks(head.group)) != members or not spans_world(head.group):
-        why = "with a head group other than the data-parallel group spanning the world"
-    elif head.input_parallel != "data" or head.replicas.size > 1:
-        why = f"with input_parallel={head.input_parallel!r} / replicas: the head gathers no rows across nodes"
+        why = "with a head group other than the data-parallel group spanning the world (2-D layouts, tensor " \
+              "parallelism)"
+    elif head.input_parallel != "data":
+        why = f"with input_parallel={head.input_parallel!r} (the head gathers no rows)"
     elif overlap_enabled:
         why = "with the overlap pipeline (its chunked gathers stay flat)"
     if why is not None and mode == "hierarchical":
         raise ConfigError(f"{key}='hierarchical' {why}; use 'auto' or 'flat'")
-    if why is not None or (mode == "auto" and plan.mode != "hierarchical"):
-        log.info("topology: the head's row exchange is flat (%s=%r, %s)", key, mode,
-                 why or "the backbone's reduction is flat")
+    if why is not None:
+        log.info("topology: the head's row exchange is flat (%s=%r, %s)", key, mode, why)
         return
-    head.node_gather = NodeGather(layout, head.group)
+    gather = NodeGather(layout, head.group)
+    if mode == "auto" and topology.probe_repeats > 0:
+        d = head.embedding_dim
+
+        def measure(m, buf):
+            return node_gather.time_exchange(gather, head.group, m, buf.view(-1, d))
+        mode, _ = reduction_probe.probe_reduction(None, head.group, max(int(rows), 1) * d, topology.probe_repeats,
+                                                  measure=measure, label="head's row exchange")
+        if mode == "flat":
+            return
+    head.node_gather = gather
     log.info("topology: the head's row exchange runs in two rank-aligned stages across %s", layout.describe())
 
 

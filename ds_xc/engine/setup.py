@@ -188,7 +188,8 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
     check_sparse_rows(engine, head_cfg.topology, comp_on)
     rows = row_sparse_params(engine, head_cfg.topology)  # embedding tables sent as rows (topology.sparse_rows)
     plan = plan_reduction(engine, head_cfg.topology, dp_group, comp_on)  # the node layout, flat or hierarchical
-    plan_head_collectives(head, plan, head_cfg.topology, head_cfg.overlap.enabled)  # the head's row exchange
+    plan_head_collectives(head, plan, head_cfg.topology, head_cfg.overlap.enabled,  # the head's row exchange
+                          rows=engine.train_micro_batch_size_per_gpu())
     if comp_on:
         from ds_xc.compression import attach_to_engine  # takes over the backbone's reduction
         compression = attach_to_engine(engine, comp_cfg, group=dp_group,

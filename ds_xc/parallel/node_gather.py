@@ -26,16 +26,18 @@ be regular (the same number of ranks on every node).
 """
 from __future__ import annotations
 
+import time
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from ds_xc.parallel.collectives import PaddedGather, PaddedReduceScatter, scale_grad
 from ds_xc.parallel.groups import block_groups, group_ranks, group_size, resolve_group, spans_world, \
     world_rank_and_size
 from ds_xc.parallel.topology import NodeLayout
 
-__all__ = ["NodeGather", "node_gather_rows"]
+__all__ = ["NodeGather", "node_gather_rows", "time_exchange"]
 
 
 class NodeGather:
@@ -127,6 +129,21 @@ class _NodeGatherRows(torch.autograd.Function):
         if ctx.grad_scale != 1.0:
             out = out * ctx.grad_scale
         return out, None, None, None
+
+
+def time_exchange(plan: NodeGather, group, mode: str, rows: torch.Tensor) -> float:
+    """Seconds of one row exchange of ``rows`` (B, d) over ``group`` from a barrier: the all-gather, then the
+    reduce-scatter of its result; flat (one collective each) or through ``plan`` (``topology.head_collectives``'
+    auto probe, ds_xc.parallel.reduction_probe)."""
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    if mode == "flat":
+        out = PaddedReduceScatter(PaddedGather(rows, group).result(), group).result()
+    else:
+        out = plan.reduce_scatter(plan.gather(rows), plan.sizes_of(rows, None))
+    if out.is_cuda:  # NCCL returns before the collective ends
+        torch.cuda.synchronize(out.device)
+    return time.perf_counter() - start
 
 
 def node_gather_rows(x: torch.Tensor, plan: NodeGather, sizes: Optional[Sequence[int]] = None,

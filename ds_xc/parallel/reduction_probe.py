@@ -46,10 +46,11 @@ def time_one(hier, group, mode: str, buf: torch.Tensor) -> float:
 
 
 def probe_reduction(hier, group, numel: int, repeats: int, measure: Optional[Callable] = None,
-                    margin: float = MARGIN) -> tuple[str, dict]:
+                    margin: float = MARGIN, label: str = "reduction") -> tuple[str, dict]:
     """('flat' or 'hierarchical', {mode: median seconds of the slowest rank}) agreed by every rank of ``group``.
 
-    Collective over ``group`` (every rank calls it with the same ``numel`` and ``repeats``)."""
+    Collective over ``group`` (every rank calls it with the same ``numel`` and ``repeats``). ``measure``
+    also serves other flat-vs-hierarchical choices (the head's row exchange, ``label`` names it in the log)."""
     if measure is None:
         def measure(mode, buf):
             return time_one(hier, group, mode, buf)
@@ -67,6 +68,6 @@ def probe_reduction(hier, group, numel: int, repeats: int, measure: Optional[Cal
                           device=dev)
     dist.broadcast(choice, src=group_ranks(group)[0], group=group)  # the first rank's decision, for every rank
     mode = MODES[int(choice)]
-    log.info("topology: auto probe of %d float32 (median of %d, slowest rank): flat %.4f s, hierarchical %.4f s "
-             "-> %s", numel, repeats, medians["flat"], medians["hierarchical"], mode)
+    log.info("topology: auto probe of the %s, %d float32 (median of %d, slowest rank): flat %.4f s, hierarchical "
+             "%.4f s -> %s", label, numel, repeats, medians["flat"], medians["hierarchical"], mode)
     return mode, medians
