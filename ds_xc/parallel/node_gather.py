@@ -79,8 +79,9 @@ class NodeGather:
         """Every rank's row count: ``sizes``, or this rank's B for all (equal blocks)."""
         return [int(x.shape[0])] * self.world if sizes is None else [int(s) for s in sizes]
 
-    def _plan(self, sizes: list) -> tuple:
-        """(stage-1 sizes, stage-2 sizes, permutation stage order -> rank order, its inverse) for ``sizes``."""
+    def _plan(self, sizes: list, device) -> tuple:
+        """(stage-1 sizes, stage-2 sizes, permutation stage order -> rank order, its inverse) for ``sizes``; the
+        permutations on ``device``, kept for the next call with the same sizes (no host copy per step)."""
         key = tuple(sizes)
         if key != self._perm_key:
             order = [r for block in self._node for r in block]  # group ranks in the order stage 2 leaves them
@@ -88,26 +89,29 @@ class NodeGather:
             for r in order:
                 starts[r], offset = offset, offset + sizes[r]
             perm = torch.cat([torch.arange(starts[r], starts[r] + sizes[r]) for r in range(self.world)])  # (N,)
-            self._perm_key, self._perm = key, (perm, torch.argsort(perm))
+            self._perm_key, self._perm = key, {torch.device("cpu"): (perm, torch.argsort(perm))}
+        device = torch.device(device)
+        if device not in self._perm:
+            self._perm[device] = tuple(t.to(device) for t in self._perm[torch.device("cpu")])
         stage1 = [sizes[r] for r in self._aligned]
         stage2 = [sum(sizes[r] for r in block) for block in self._node]
-        return stage1, stage2, self._perm[0], self._perm[1]
+        return (stage1, stage2) + self._perm[device]
 
     def gather(self, x: torch.Tensor, sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
         """Every rank's rows in rank order: (B_r, ...) -> (sum_r B_r, ...), equal to the flat all-gather."""
         sizes = self.sizes_of(x, sizes)
-        stage1, stage2, perm, _ = self._plan(sizes)
+        stage1, stage2, perm, _ = self._plan(sizes, x.device)
         y = x.contiguous()
         if group_size(self.aligned) > 1:
             y = PaddedGather(y, self.aligned, stage1).result()  # (sum stage1, ...)
         if group_size(self.intra) > 1:
             y = PaddedGather(y, self.intra, stage2).result()  # (N, ...) in stage order
-        return y.index_select(0, perm.to(y.device))  # (N, ...) in rank order
+        return y.index_select(0, perm)  # (N, ...) in rank order
 
     def reduce_scatter(self, g: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
         """Sum over ranks of ``g`` (sum_r B_r, ...), this rank's (B_r, ...) rows kept."""
-        stage1, stage2, _, inverse = self._plan(list(sizes))
-        y = g.contiguous().index_select(0, inverse.to(g.device))  # (N, ...) in stage order
+        stage1, stage2, _, inverse = self._plan(list(sizes), g.device)
+        y = g.contiguous().index_select(0, inverse)  # (N, ...) in stage order
         if group_size(self.intra) > 1:
             y = PaddedReduceScatter(y, self.intra, stage2, rank=self.intra_rank).result()  # (stage2[me], ...)
         if group_size(self.aligned) > 1:
