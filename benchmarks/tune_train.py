@@ -54,43 +54,57 @@ def tuned_changes(before: dict, after: dict) -> list:
     return [(key, get(before, key), get(after, key)) for key in changed_keys(before, after)]
 
 
-def train(config: str, args, tmp: str, name: str) -> dict:
+def train(config: str, args, tmp: str, name: str, seed: int) -> dict:
     """One launch/train.py run of ``config``; its summary JSON plus the command."""
-    out = os.path.join(tmp, f"{name}_summary.json")
+    out = os.path.join(tmp, f"{name}_{seed}_summary.json")
     cmd = [sys.executable, os.path.join("launch", "train.py"), "--deepspeed_config", config,
            "--max_steps", str(args.steps), "--eval_every", "0", "--summary_json", out,
-           "--set", f"xc_train.seed={args.seed}", "--set", f"extreme_classification.seed={args.seed}"]
-    print(f"training {name}: {args.steps} steps", flush=True)
+           "--set", f"xc_train.seed={seed}", "--set", f"extreme_classification.seed={seed}"]
+    print(f"training {name}, seed {seed}: {args.steps} steps", flush=True)
     _run(cmd, args.timeout)
     with open(out) as fh:
         res = json.load(fh)
     res["command"] = shlex.join(["python"] + cmd[1:])
+    res["seed"] = seed
     return res
 
 
-def render(args, command: str, started: str, tune_s: float, tune_cmd: str, changes: list, rows: list) -> str:
-    base = rows[0][1]
+def render(args, command: str, started: str, tune_s: float, tune_cmd: str, changes: list, rows: list,
+           report: str) -> str:
+    """rows: [(name, summary)] in seed order, the defaults first for each seed."""
+    seeds = sorted({r["seed"] for _, r in rows})
     lines = [f"# Tuned vs library defaults, trained ({args.num_classes:,} classes)\n",
              f"- command: `{command}`", f"- git revision: {git_rev(('ds_xc', 'launch', 'benchmarks'))}",
              (f"- date: {started}; machine: {cpu_model()}, {usable_cores()} usable cores, load {load_average()} "
               f"at the end; every process one thread (OMP_NUM_THREADS=1), run one after the other"),
              (f"- DEFAULTS.json = {args.config} with extreme_classification.num_classes {args.num_classes}; "
               f"TUNED.json = the output of `{tune_cmd}` ({tune_s:.0f} s wall, a fresh cache)"),
-             f"- training: {args.steps} steps each, seed {args.seed}, held-out top-1/top-5 over all classes\n",
-             "Keys the tuner changed:\n"]
+             f"- training: {args.steps} steps each, seeds {', '.join(map(str, seeds))}, held-out top-1/top-5 over "
+             "all classes\n", "Keys the tuner changed:\n"]
     lines += [f"- `{key}`: `{json.dumps(old)}` -> `{json.dumps(new)}`" for key, old, new in changes] or ["- none"]
-    lines += ["", "| config | steps | train s | s/step | speed-up per step | held-out top-1 | top-5 | final loss |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| config | seed | steps | train s | s/step | speed-up per step | held-out top-1 | top-5 | final loss |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    per = {}
     for name, r in rows:
-        per = r["seconds"] / max(r["steps"], 1)
-        speed = (base["seconds"] / max(base["steps"], 1)) / per
-        lines.append(f"| {name} | {r['steps']} | {r['seconds']:.1f} | {per:.3f} | {speed:.2f}x | {r['top1']:.4f} | "
-                     f"{r['top5']:.4f} | {r['final_loss']:.4f} |")
-    tuned, dflt = rows[1][1], rows[0][1]
-    verdict = "equal or better" if tuned["top1"] >= dflt["top1"] else "lower"
-    lines.append(f"\nTuned top-1 is {verdict} than the defaults' ({tuned['top1'] - dflt['top1']:+.4f}); one seed, one "
-                 f"run each: the step-time ratio carries the machine's load changes between the runs.")
+        per[(name, r["seed"])] = r["seconds"] / max(r["steps"], 1)
+    for name, r in rows:
+        speed = per[("library defaults", r["seed"])] / per[(name, r["seed"])]
+        lines.append(f"| {name} | {r['seed']} | {r['steps']} | {r['seconds']:.1f} | {per[(name, r['seed'])]:.3f} | "
+                     f"{speed:.2f}x | {r['top1']:.4f} | {r['top5']:.4f} | {r['final_loss']:.4f} |")
+
+    def mean(name, key):
+        vals = [r[key] for n, r in rows if n == name]
+        return sum(vals) / len(vals)
+    d_top1, t_top1 = mean("library defaults", "top1"), mean("tuned", "top1")
+    speed = (sum(per[("library defaults", s)] for s in seeds) / sum(per[("tuned", s)] for s in seeds))
+    verdict = "equal or better" if t_top1 >= d_top1 else "lower"
+    lines.append(f"\nMean over {len(seeds)} seed(s): tuned {speed:.2f}x faster per step; top-1 {t_top1:.4f} against "
+                 f"{d_top1:.4f}: {verdict} ({t_top1 - d_top1:+.4f}). One run per seed and config: the step-time ratio "
+                 "carries the machine's load changes between the runs.")
     lines += ["", "Training commands:", ""] + [f"    {r['command']}" for _, r in rows]
+    kept = [line for line in report.replace("# Tuner report", "").strip().splitlines()
+            if not line.startswith("|") or not ("| pruned" in line or "| skipped" in line)]
+    lines += ["", "## The tuner's report (its table without the pruned and skipped rows)", ""] + kept
     return "\n".join(lines) + "\n"
 
 
@@ -99,10 +113,11 @@ def main(argv=None) -> list:
     p.add_argument("--config", default=DEFAULT_CONFIG, help="the DeepSpeed JSON the user starts from")
     p.add_argument("--num_classes", type=int, default=100000)
     p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", default="0", help="comma-separated seeds; each trains both configs")
     p.add_argument("--min_recall", type=float, default=0.9)
     p.add_argument("--max_memory_gib", type=float, default=4.0)
     p.add_argument("--time_budget_s", type=float, default=90.0)
+    p.add_argument("--tune_args", default="", help="more flags for launch/tune.py, one string")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per subprocess")
     p.add_argument("--out", default=DEFAULT_OUT, help="markdown file ('-': print only)")
     args = p.parse_args(argv)
@@ -112,7 +127,7 @@ def main(argv=None) -> list:
         cfg = json.load(fh)
     cfg["extreme_classification"]["num_classes"] = args.num_classes
     target = ["--min_recall", str(args.min_recall), "--max_memory_gib", str(args.max_memory_gib),
-              "--time_budget_s", str(args.time_budget_s)]
+              "--time_budget_s", str(args.time_budget_s), *shlex.split(args.tune_args)]
     with tempfile.TemporaryDirectory() as tmp:
         defaults, tuned = os.path.join(tmp, "DEFAULTS.json"), os.path.join(tmp, "TUNED.json")
         with open(defaults, "w") as fh:
@@ -123,9 +138,14 @@ def main(argv=None) -> list:
         tune_s = _run(tune, args.timeout)
         with open(tuned) as fh:
             changes = tuned_changes(cfg, json.load(fh))
-        rows = [("library defaults", train(defaults, args, tmp, "defaults")), ("tuned", train(tuned, args, tmp, "tuned"))]
+        with open(os.path.join(tmp, "TUNED.report.md")) as fh:
+            report = fh.read()
+        rows = []
+        for seed in (int(x) for x in args.seeds.split(",")):
+            rows += [("library defaults", train(defaults, args, tmp, "defaults", seed)),
+                     ("tuned", train(tuned, args, tmp, "tuned", seed))]
     tune_cmd = shlex.join(["python", "launch/tune.py", "--deepspeed_config", "DEFAULTS.json", *target])
-    text = render(args, command, started, tune_s, tune_cmd, changes, rows)
+    text = render(args, command, started, tune_s, tune_cmd, changes, rows, report)
     print(text, flush=True)
     write_report(args.out, text)
     return rows

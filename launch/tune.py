@@ -53,6 +53,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval_batches", type=int, default=1, help="held-out batches for the recall")
     p.add_argument("--pretrain_steps", type=int, default=30,
                    help="steps of the shared head whose weights the recall screen indexes")
+    p.add_argument("--max_accuracy_drop", type=float, default=0.0025,
+                   help="how far (a fraction: 0.0025 = a quarter point) the accuracy probe's held-out top-1 of the "
+                        "chosen configuration may lie below the library defaults'")
+    p.add_argument("--probe_steps", type=int, default=40,
+                   help="head steps of the accuracy probe per probed candidate (0: no probe, accuracy unchecked)")
+    p.add_argument("--probe_eval_batches", type=int, default=4, help="held-out batches the probe scores")
+    p.add_argument("--max_probes", type=int, default=3, help="candidates probed besides the defaults, fastest first")
     p.add_argument("--samplers", default="ann,uniform,full", help="sampler types to consider")
     p.add_argument("--num_classes", type=int, help="override extreme_classification.num_classes")
     p.add_argument("--data", choices=["text", "synthetic", "corpus"], help="override xc_train.data")
@@ -77,9 +84,10 @@ def load_config(args) -> dict:
     return raw
 
 
-def build_inputs(raw: dict, rank: int, world: int, total: int, eval_count: int):
+def build_inputs(raw: dict, rank: int, world: int, total: int, eval_count: int, probe_count: int = 0):
     """Embeddings of the data set through its backbone at initialisation (frozen): the train
-    batches of the measured steps (the same for every candidate) and the held-out batches."""
+    batches of the measured steps (the same for every candidate), the held-out batches of the
+    recall and those of the accuracy probe (the first ``probe_count``)."""
     xcfg = ds_xc.parse_config(raw)
     tcfg, hcfg = xcfg.xc_train, xcfg.extreme_classification
     data = build_task_data(tcfg, hcfg.num_classes, rank=rank, group=dist.group.WORLD)
@@ -89,8 +97,10 @@ def build_inputs(raw: dict, rank: int, world: int, total: int, eval_count: int):
     with torch.no_grad():
         train = [data.train_batch(i, micro, rank, world) for i in range(total)]
         train = [(backbone(x).float(), y) for x, y in train]
-        held = [(backbone(x).float(), y) for x, y in data.eval_batches(micro, rank, world, eval_count * micro * world)]
-    return (lambda i: train[i % len(train)]), (lambda: iter(held[:eval_count])), data.describe()["name"]
+        count = max(eval_count, probe_count)
+        held = [(backbone(x).float(), y) for x, y in data.eval_batches(micro, rank, world, count * micro * world)]
+    return ((lambda i: train[i % len(train)]), (lambda: iter(held[:eval_count])), (lambda: iter(held[:probe_count])),
+            data.describe()["name"])
 
 
 def main(argv=None) -> int:
@@ -105,9 +115,12 @@ def main(argv=None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     t0 = time.perf_counter()
     cache_dir = default_cache_dir()
-    target = Target(args.max_memory_gib, args.min_recall, args.min_speedup, args.max_step_s)
-    train_batch, eval_batches, data_name = build_inputs(raw, rank, world, max(args.warmup + args.steps,
-                                                                                  args.pretrain_steps), args.eval_batches)
+    probing = args.probe_steps > 0
+    target = Target(args.max_memory_gib, args.min_recall, args.min_speedup, args.max_step_s,
+                    args.max_accuracy_drop if probing else None)
+    total = max(args.warmup + args.steps, args.pretrain_steps, args.probe_steps)
+    train_batch, eval_batches, probe_batches, data_name = build_inputs(
+        raw, rank, world, total, args.eval_batches, args.probe_eval_batches if probing else 0)
     say(f"ds_xc tune: {raw['extreme_classification']['num_classes']:,} classes, {data_name} data, {world} rank(s); "
         f"target {target}; budget {args.time_budget_s:.0f} s")
     bar = None
@@ -115,16 +128,18 @@ def main(argv=None) -> int:
         from tqdm import tqdm
         bar = tqdm(unit="cand", desc="measuring", dynamic_ncols=True, file=sys.stdout)
 
-    def progress(row):
+    def progress(row):  # after each measurement, then after each accuracy probe
         if bar is not None:
             bar.update(1)
-            bar.set_postfix_str(f"{row.cand.label()[:40]}: {row.measured['amortised_s']:.3f} s, "
-                                f"recall {row.measured['recall']:.3f}")
+            what = (f"probe top-1 {row.probe['top1']:.4f}" if row.probe is not None else
+                    f"{row.measured['amortised_s']:.3f} s, recall {row.measured['recall']:.3f}")
+            bar.set_postfix_str(f"{row.cand.label()[:40]}: {what}")
     try:
         res = tune(raw, target, train_batch, eval_batches, world=world, cache_path=args.cache or os.path.join(
             cache_dir, "tune_cache.json"), constants_path=os.path.join(cache_dir, "tune_constants.json"),
             time_budget_s=args.time_budget_s, steps=args.steps, warmup=args.warmup, pretrain_steps=args.pretrain_steps,
-            types=tuple(args.samplers.split(",")), data=data_name, progress=progress, is_writer=rank == 0)
+            types=tuple(args.samplers.split(",")), data=data_name, progress=progress, is_writer=rank == 0,
+            probe_steps=args.probe_steps, probe_batches=probe_batches, max_probes=args.max_probes)
     except TargetUnreachable as exc:
         if bar is not None:
             bar.close()

@@ -252,3 +252,130 @@ def test_tune_train_benchmark_lists_exactly_the_changed_keys():
     assert tuned_changes(before, after) == [("ec.optimizer.lr", 0.1, 0.2), ("ec.sampler.sample_rate", None, 0.05),
                                             ("new", None, True)]
     assert tuned_changes(before, before) == []
+
+
+# ----------------------------------------------------------------------------- the accuracy probe
+def _row(label, step_s, recall=0.95, tag="", rate=0.1, update="lazy_exact"):
+    from ds_xc.tune.tuner import Row
+    cand = Candidate(type="ann", sample_rate=None if tag else rate, update=None if tag else update, tag=tag,
+                     scan_rows=None if tag else {"a": 8192, "b": 8192, "c": 16384}.get(label, 8192))
+    return Row(cand=cand, config={}, pred_s=step_s, pred_persistent=None, pred_peak=None, status="measured",
+               measured={"amortised_s": step_s, "recall": recall, "peak_bytes": 1 << 20})
+
+
+def test_probe_order_rejection_and_choice():
+    """The defaults are probed first, then the fastest candidates meeting the other constraints; a
+    candidate more than max_accuracy_drop below the defaults' probe is rejected, one no stronger than
+    a rejected one is skipped without a probe, the first that passes is chosen; one that was never
+    probed cannot be chosen."""
+    from ds_xc.tune.tuner import Tuner, choose
+    base = _row("defaults", 1.0, tag="defaults")
+    a = _row("a", 0.3, rate=0.02)            # fastest: probed, too inaccurate
+    b = _row("b", 0.35, rate=0.02)           # no stronger than a (same knobs): skipped
+    low = _row("low", 0.36, recall=0.5)       # misses min_recall: never probed
+    c = _row("c", 0.5, rate=0.05)             # stronger: probed, within the allowed drop: chosen
+    d = _row("d", 0.6, rate=0.1)              # slower than c: not probed
+    rows = [base, a, b, low, c, d]
+    scores = {"defaults": 0.200, "a": 0.150, "c": 0.198}
+    calls = []
+
+    def probe(row):
+        name = "defaults" if row.cand.tag else "abcd"[[a, b, c, d].index(row)]
+        calls.append(name)
+        return {"top1": scores[name], "top5": 0.3, "samples": 100, "steps": 5}
+    target = Target(min_recall=0.9, max_accuracy_drop=0.0025)
+    Tuner(rows, target, measure=None, cache=None, time_budget_s=1.0).probe(probe, max_probes=3)
+    assert calls == ["defaults", "a", "c"]
+    assert a.status.endswith("probe: lower accuracy") and "probe skipped: no stronger than" in b.status
+    assert d.probe is None and low.probe is None
+    assert choose(rows, target) is c
+    # a drop of 0.2 point allowed no more: c is rejected too and, nothing else probed, the defaults win
+    for r in rows:
+        r.probe, r.status = None, "measured"
+    scores["c"] = 0.1970
+    calls.clear()
+    Tuner(rows, target, measure=None, cache=None, time_budget_s=1.0).probe(probe, max_probes=2)
+    assert calls == ["defaults", "a", "c"] and choose(rows, target) is base
+    fails = target.failures(c, 1.0, 0.200)
+    assert fails and fails[0][0] == "max_accuracy_drop" and "0.30 point below" in fails[0][2]
+    assert target.failures(d, 1.0, 0.200)[0][2] == "accuracy not probed"
+
+
+def test_probe_accuracy_equals_a_dense_float64_reference():
+    """probe_accuracy trains the section's head from its seeded weights and scores held-out top-1
+    over all classes: the same steps by hand, then a dense float64 argmax of x.w, give the same
+    top-1 and top-5."""
+    from ds_xc.head import ClassParallelHead, build_head_optimizer
+    from ds_xc.tune.probe import probe_accuracy
+    section = _raw(num_classes=100, dim=16, loss="softmax")["extreme_classification"]
+    section["optimizer"]["lr"] = 5.0
+    train, held = _inputs(100, 16, 64, seed=3)
+    held_batches = [next(held())] + [train(7)]
+    got = probe_accuracy(section, train, lambda: iter(held_batches), steps=16)
+    head = ClassParallelHead.from_config(section)
+    opt = build_head_optimizer(head, section["optimizer"])
+    for i in range(16):
+        x, y = train(i)
+        head(x.detach().requires_grad_(True), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    w = head.weight.detach().double()
+    hits1 = hits5 = n = 0
+    for x, y in held_batches:
+        top = (x.double() @ w.T).topk(5, dim=1).indices
+        hits1 += int((top[:, 0] == y).sum())
+        hits5 += int((top == y[:, None]).any(dim=1).sum())
+        n += y.numel()
+    assert got["samples"] == n == 128 and got["steps"] == 16
+    assert got["top1"] == pytest.approx(hits1 / n, abs=1e-12) and got["top5"] == pytest.approx(hits5 / n, abs=1e-12)
+    assert 0.0 < got["top1"] < 1.0  # a score that can move either way
+
+
+@pytest.mark.slow
+def test_tuner_with_probe_never_chooses_a_less_accurate_candidate_and_caches_probes(tmp_path, monkeypatch):
+    """A real run with the probe: the choice is the defaults or a candidate whose probe top-1 is at
+    least the defaults'; a second run takes every probe from the cache."""
+    real = tune_session.probe_accuracy
+    calls = []
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+    monkeypatch.setattr(tune_session, "probe_accuracy", counting)
+    target = Target(min_recall=0.2, max_accuracy_drop=0.0)
+    _, res = _run(tmp_path, target, time_budget_s=20.0, probe_steps=4, max_probes=2)
+    probed = [r for r in res.rows if r.probe is not None]
+    assert res.base.probe is not None and len(probed) == len(calls) >= 2
+    assert res.chosen is res.base or res.chosen.probe["top1"] >= res.base.probe["top1"]
+    first = len(calls)
+    _, again = _run(tmp_path, target, time_budget_s=20.0, probe_steps=4, max_probes=2)
+    assert len(calls) == first and again.chosen.cand == res.chosen.cand
+    with pytest.raises(ValueError, match="needs probe_steps > 0"):
+        _run(tmp_path, target, time_budget_s=1.0, probe_steps=0)
+
+
+def test_probe_rejection_reopens_candidates_the_stop_rule_skipped():
+    """The stop rule skips candidates predicted slower than 1.5x the best passing measurement; when
+    the probe rejects that best one, the search resumes without it and measures them."""
+    from ds_xc.tune.cache import MeasurementCache
+    from ds_xc.tune.tuner import Tuner, choose
+    base = _row("defaults", 1.0, tag="defaults")
+    a = _row("a", 0.2, rate=0.02)
+    e = _row("c", 0.5, rate=0.1)
+    for r in (base, a, e):
+        r.measured, r.status = None, "not measured"
+    measured = []
+
+    def measure(row):
+        measured.append(row)
+        return {"amortised_s": row.pred_s, "recall": 0.95, "peak_bytes": 1 << 20}
+
+    def probe(row):
+        return {"top1": {0.2: 0.10, 0.5: 0.30}.get(row.pred_s, 0.30), "top5": 0.5, "samples": 10, "steps": 2}
+    target = Target(max_accuracy_drop=0.0)
+    tuner = Tuner([base, a, e], target, measure, MeasurementCache(None, {}), time_budget_s=60.0)
+    assert tuner.run() == 2 and e.measured is None and e.status.startswith("skipped: predicted slower")
+    assert tuner.probe(probe) == 1 and a.status.endswith("probe: lower accuracy")
+    assert tuner.run() == 1 and measured == [base, a, e]
+    assert tuner.probe(probe) == 0 and e.probe["top1"] == 0.30
+    assert choose([base, a, e], target) is e

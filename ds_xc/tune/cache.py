@@ -80,6 +80,15 @@ class MeasurementCache:
         slot.setdefault("screen", {}).update({c.key(): v for c, v in pairs})
         self.save()
 
+    def get_probe(self, cand, setting: str) -> Optional[dict]:
+        """The accuracy probe of ``cand`` under ``setting`` (steps and held-out batches), if cached."""
+        return self.data.get(self.ctx, {}).get("probe", {}).get(f"{cand.key()}:{setting}")
+
+    def put_probe(self, cand, setting: str, result: dict) -> None:
+        slot = self.data.setdefault(self.ctx, {"context": self.context, "measurements": {}})
+        slot.setdefault("probe", {})[f"{cand.key()}:{setting}"] = dict(result, label=cand.label())
+        self.save()
+
     def save(self) -> None:
         if not (self.path and self.writer):
             return

@@ -23,8 +23,8 @@ def _fmt(v, spec: str, none: str = "-") -> str:
 
 def table(rows: list, base_s: Optional[float], front: list, markdown: bool = True) -> str:
     """Every predicted row that was measured or pruned for a reason, fastest prediction first."""
-    head = ["candidate", "pred step s", "meas step s", "speed-up", "recall@10", "pred peak GiB", "meas peak GiB",
-            "meas persistent GiB", "status"]
+    head = ["candidate", "pred step s", "meas step s", "speed-up", "recall@10", "probe top-1", "pred peak GiB",
+            "meas peak GiB", "meas persistent GiB", "status"]
     lines = []
     shown = sorted(rows, key=lambda r: (r.measured is None, r.pred_s))
     for r in shown:
@@ -32,6 +32,7 @@ def table(rows: list, base_s: Optional[float], front: list, markdown: bool = Tru
         status = r.status + (" (frontier)" if r in front and r.status != "chosen" else "")
         lines.append([r.cand.label(), f"{r.pred_s:.3f}", _fmt(m.get("amortised_s"), ".3f"),
                       _fmt(r.speedup(base_s), ".2f"), _fmt(m.get("recall"), ".3f"),
+                      _fmt((r.probe or {}).get("top1"), ".4f"),
                       _fmt(None if r.pred_peak is None else r.pred_peak / GIB, ".2f"),
                       _fmt(m["peak_bytes"] / GIB if m else None, ".2f"),
                       _fmt(m["persistent_bytes"] / GIB if m else None, ".2f"), status])
@@ -104,7 +105,8 @@ def report_text(chosen, base, target, rows: list, context: dict, tuned_keys: lis
     m = chosen.measured
     lines = [f"# Tuner report", "", f"Context: {json.dumps(context, sort_keys=True)}", "",
              f"Target: max_memory_gib={target.max_memory_gib}, min_recall={target.min_recall}, "
-             f"min_speedup={target.min_speedup}, max_step_s={target.max_step_s}", "",
+             f"min_speedup={target.min_speedup}, max_step_s={target.max_step_s}, "
+             f"max_accuracy_drop={target.max_accuracy_drop}", "",
              f"Chosen: **{chosen.cand.label()}**: measured step {m['amortised_s']:.3f} s "
              f"(predicted {chosen.pred_s:.3f} s), recall@10 {m['recall']:.3f}, peak {m['peak_bytes'] / GIB:.2f} GiB "
              f"per rank (persistent {m['persistent_bytes'] / GIB:.2f} GiB)."]
@@ -112,13 +114,23 @@ def report_text(chosen, base, target, rows: list, context: dict, tuned_keys: lis
         lines.append(f"Library defaults ({base.cand.label()}): step {base.measured['amortised_s']:.3f} s, recall@10 "
                      f"{base.measured['recall']:.3f}, peak {base.measured['peak_bytes'] / GIB:.2f} GiB: the chosen "
                      f"one is {base.measured['amortised_s'] / m['amortised_s']:.2f}x faster per step.")
+    if chosen.probe is not None and base is not None and base.probe is not None:
+        lines.append(f"Accuracy probe ({chosen.probe['steps']} head steps, {chosen.probe['samples']} held-out "
+                     f"samples): top-1 {chosen.probe['top1']:.4f} against the defaults' {base.probe['top1']:.4f}.")
+    rejected = [r for r in rows if r.status.endswith("probe: lower accuracy")]
+    if rejected:
+        lines.append("Faster, but rejected by the accuracy probe: " + "; ".join(
+            f"{r.cand.label()} ({r.measured['amortised_s']:.3f} s, probe top-1 {r.probe['top1']:.4f})"
+            for r in rejected) + ".")
     ok = sorted((r for r in rows if r.measured and r is not chosen and not r.status.startswith("skipped")
                  and (target.min_recall is None or r.measured["recall"] >= target.min_recall)),
                 key=lambda r: r.measured["amortised_s"])
     lines.append("")
     lines.append("Why: the fastest measured candidate that meets every constraint; candidates were measured in "
                  "the order of the time model's predictions, weaker ones than a candidate that missed the recall "
-                 "target skipped.")
+                 "target skipped" + ("; with the accuracy probe, a candidate is chosen only when its probe's held-out "
+                                     "top-1 lies within max_accuracy_drop of the defaults'."
+                                     if target.max_accuracy_drop is not None else "."))
     if ok:
         lines.append(f"Runner-up: {ok[0].cand.label()} ({ok[0].measured['amortised_s']:.3f} s, recall "
                      f"{ok[0].measured['recall']:.3f}).")

@@ -12,13 +12,15 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
+import torch
 import torch.distributed as dist
 
 from ds_xc.config import HEAD_SECTION
 from ds_xc.cost.compute import Constants, global_batch_of, load_or_calibrate
-from ds_xc.parallel.groups import group_ranks, is_distributed, new_groups
+from ds_xc.parallel.groups import comm_device, group_ranks, is_distributed, new_groups
 from ds_xc.tune.cache import MeasurementCache
 from ds_xc.tune.measure import measure_candidate
+from ds_xc.tune.probe import probe_accuracy
 from ds_xc.tune.space import TUNED_KEYS
 from ds_xc.tune.screen import pretrain_weight, screen_recall, structure_key
 from ds_xc.tune.tuner import Target, Tuner, choose, frontier, predict_all, prune, prune_by_screen
@@ -98,14 +100,29 @@ def screen(rows: list, raw: dict, cache: MeasurementCache, train_batch, eval_bat
     return weight, indexes
 
 
+def held_out_samples(batches: Callable[[], Iterable], group=None) -> int:
+    """The number of held-out samples ``batches()`` yields, summed over the ranks of ``group``."""
+    t = torch.tensor([sum(int(y.shape[0]) for _, y in batches())], dtype=torch.int64, device=comm_device(group))
+    if is_distributed(group):
+        dist.all_reduce(t, group=group)
+    return int(t.item())
+
+
 def tune(raw: dict, target: Target, train_batch: Callable[[int], tuple], eval_batches: Callable[[], Iterable], *,
          world: int = 1, group=None, cache_path: Optional[str] = None, constants_path: Optional[str] = None,
          time_budget_s: float = 420.0, steps: int = 4, warmup: int = 2, pretrain_steps: int = 30,
          types=("ann", "uniform", "full"), data: str = "", progress: Optional[Callable] = None,
-         is_writer: bool = True) -> TuneResult:
-    """Predict, prune, screen the recall, measure and choose (tuner.py); raises
+         is_writer: bool = True, probe_steps: int = 40, probe_batches: Optional[Callable[[], Iterable]] = None,
+         max_probes: int = 3) -> TuneResult:
+    """Predict, prune, screen the recall, measure, probe the accuracy and choose (tuner.py); raises
     tuner.TargetUnreachable when nothing measured meets the target. ``progress(row)`` after each
-    measured row."""
+    measured row. The accuracy probe (probe.py) runs when ``target.max_accuracy_drop`` is set and
+    ``probe_steps`` > 0: ``probe_steps`` head steps per probed candidate, held-out top-1 on
+    ``probe_batches()`` (default ``eval_batches``), at most ``max_probes`` candidates besides the
+    defaults."""
+    if target.max_accuracy_drop is not None and probe_steps <= 0:
+        raise ValueError(f"tune: max_accuracy_drop={target.max_accuracy_drop} needs probe_steps > 0 "
+                         f"(got {probe_steps}); leave max_accuracy_drop unset to tune without the probe")
     t0 = time.perf_counter()
     constants = shared_constants(constants_path, group)
     log.info("tuner: constants ready after %.1f s", time.perf_counter() - t0)
@@ -126,6 +143,20 @@ def tune(raw: dict, target: Target, train_batch: Callable[[int], tuple], eval_ba
         return dict(m, recall=row.screen)
     tuner = Tuner(rows, target, measure, cache, time_budget_s, group=group, progress=progress)
     tuner.run()
+    batches = probe_batches or eval_batches
+    setting = None  # the probe's cache key part: its steps and held-out sample count
+
+    def probe(row) -> dict:
+        nonlocal setting
+        if setting is None:  # the same on every rank: the held-out samples of the whole group
+            setting = f"steps={int(probe_steps)},samples={held_out_samples(batches, group)}"
+        got = cache.get_probe(row.cand, setting)
+        if got is None:
+            got = probe_accuracy(row.config[HEAD_SECTION], train_batch, batches, probe_steps, group)
+            cache.put_probe(row.cand, setting, got)
+        return got
+    while tuner.probe(probe, max_probes) and tuner.run():
+        pass  # rejected candidates had ruled others out by the stop rule: measure those, probe again
     base = next((r for r in rows if r.cand.tag == "defaults" and r.measured), None)
     front = frontier(rows)
     chosen = choose(rows, target)  # may raise TargetUnreachable

@@ -12,7 +12,14 @@
    recall knob (same type, sample rate, scan rows, re-rank, code bits all >=), and the search
    stops when the next prediction is slower than 1.5x the best measured candidate that meets
    the target, or the wall-clock budget is spent.
-4. The choice: the fastest measured candidate (amortised step) that meets every constraint;
+4. With ``max_accuracy_drop``: the accuracy probe (probe.py). The defaults are probed, then the
+   measured candidates that meet every other constraint, fastest first, until one learns as well
+   as the defaults (held-out top-1 of the probe at most ``max_accuracy_drop`` below theirs) or
+   ``max_probes`` were tried; a candidate no stronger than a rejected one (recall knobs, same
+   update mode) is not probed, and one that was not probed cannot be chosen. When rejections
+   leave no passing candidate, the search (3.) resumes without them, since the stop rule may have
+   ruled out slower, more accurate candidates because of them; then the new ones are probed.
+5. The choice: the fastest measured candidate (amortised step) that meets every constraint;
    none: a ``TargetUnreachable`` naming the tightest constraint and the closest candidate.
 
 Measurements are cached (cache.py) under a key of everything they depend on, so an
@@ -50,9 +57,12 @@ class Target:
     min_recall: Optional[float] = None
     min_speedup: Optional[float] = None
     max_step_s: Optional[float] = None
+    max_accuracy_drop: Optional[float] = None  # held-out top-1 of the probe, below the defaults' (a fraction)
 
-    def failures(self, row: "Row", base_s: Optional[float]) -> list:
-        """The constraints a measured row misses: [(name, how far, text)]; how far is relative."""
+    def failures(self, row: "Row", base_s: Optional[float], base_top1: Optional[float] = None,
+                 accuracy: bool = True) -> list:
+        """The constraints a measured row misses: [(name, how far, text)]; how far is relative.
+        ``base_top1``: the defaults' probe top-1; ``accuracy=False`` leaves the probe out."""
         m, out = row.measured, []
         if self.max_memory_gib is not None and m["peak_bytes"] / GIB > self.max_memory_gib:
             gib = m["peak_bytes"] / GIB
@@ -67,6 +77,14 @@ class Target:
         if self.max_step_s is not None and m["amortised_s"] > self.max_step_s:
             out.append(("max_step_s", m["amortised_s"] / self.max_step_s - 1,
                         f"step {m['amortised_s']:.3f} s > {self.max_step_s} s"))
+        if accuracy and self.max_accuracy_drop is not None and row.cand.tag != "defaults":
+            if row.probe is None or base_top1 is None:
+                out.append(("max_accuracy_drop", 1.0, "accuracy not probed"))
+            elif row.probe["top1"] < base_top1 - self.max_accuracy_drop:
+                drop = base_top1 - row.probe["top1"]
+                out.append(("max_accuracy_drop", drop / max(self.max_accuracy_drop, 1e-9) - 1,
+                            f"probe top-1 {row.probe['top1']:.4f} is {100 * drop:.2f} point below the defaults' "
+                            f"{base_top1:.4f} (allowed {100 * self.max_accuracy_drop:.2f})"))
         return out
 
 
@@ -82,6 +100,7 @@ class Row:
     status: str = "not measured"
     parts: dict = field(default_factory=dict)
     screen: Optional[float] = None  # recall@10 on the shared trained weights (screen.py)
+    probe: Optional[dict] = None  # the accuracy probe (probe.py): held-out top1, top5, samples, probe_s
 
     def speedup(self, base_s: Optional[float]) -> Optional[float]:
         if self.measured is None or not base_s:
@@ -159,12 +178,28 @@ def frontier(rows: list) -> list:
     return [r for r in done if not any(beats(o, r) for o in done if o is not r)]
 
 
+LOWER = "probe: lower accuracy"  # the status suffix of a row the probe rejected
+SKIPPED = "probe skipped: no stronger than"
+
+
+def _rejected(row: Row) -> bool:
+    """The probe rejected the row, or skipped it as no stronger than a rejected one."""
+    return row.status.endswith(LOWER) or SKIPPED in row.status
+
+
+def _base(rows: list) -> tuple:
+    """(the defaults' measured step s, the defaults' probe top-1), None where absent."""
+    base = next((r for r in rows if r.cand.tag == "defaults" and r.measured), None)
+    if base is None:
+        return None, None
+    return base.measured["amortised_s"], (base.probe or {}).get("top1")
+
+
 def choose(rows: list, target: Target) -> Row:
     """The fastest measured row that meets the target, else TargetUnreachable (see the class)."""
-    base = next((r for r in rows if r.cand.tag == "defaults" and r.measured), None)
-    base_s = base.measured["amortised_s"] if base else None
+    base_s, base_top1 = _base(rows)
     measured = [r for r in rows if r.measured is not None]
-    ok = [r for r in measured if not target.failures(r, base_s)]
+    ok = [r for r in measured if not target.failures(r, base_s, base_top1)]
     if ok:
         best = min(ok, key=lambda r: r.measured["amortised_s"])
         best.status = "chosen"
@@ -172,7 +207,7 @@ def choose(rows: list, target: Target) -> Row:
     if not measured:
         raise TargetUnreachable("no candidate was measured (the time budget ran out before the first "
                                 "measurement, or every candidate was pruned); raise --time_budget_s", None, rows)
-    fails = {id(r): target.failures(r, base_s) for r in measured}
+    fails = {id(r): target.failures(r, base_s, base_top1) for r in measured}
     names = [f[0] for fs in fails.values() for f in fs]
     met = {n: sum(1 for fs in fails.values() if n not in [f[0] for f in fs]) for n in set(names)}
     tightest = min(met, key=lambda n: (met[n], -names.count(n)))
@@ -191,6 +226,8 @@ class Tuner:
                  time_budget_s: float, group=None, progress: Optional[Callable[[Row], None]] = None):
         self.rows, self.target, self.measure, self.cache = rows, target, measure, cache
         self.time_budget_s, self.group, self.progress = time_budget_s, group, progress
+        self.t0: Optional[float] = None  # the first run()'s start: the budget covers every round
+        self.probes_left: Optional[int] = None
 
     def _agree(self, flag: bool) -> bool:
         """Rank 0's decision for every rank (the clock differs between ranks)."""
@@ -211,15 +248,19 @@ class Tuner:
             return "skipped: predicted slower than the best measured"
         return None
 
-    def run(self) -> list:
-        """Measure until the list, the budget or the useful predictions end; returns the rows."""
-        t0 = time.perf_counter()
-        order = sorted((r for r in self.rows if not r.status.startswith("pruned")),
+    def run(self) -> int:
+        """Measure until the list, the budget or the useful predictions end; returns how many rows
+        it measured. Called again after the probe rejected candidates, it measures what they had
+        ruled out (rows measured before are kept)."""
+        if self.t0 is None:
+            self.t0 = time.perf_counter()
+        order = sorted((r for r in self.rows if not r.status.startswith("pruned") and r.measured is None),
                        key=lambda r: (r.cand.tag != "defaults", r.pred_s))
+        count = 0
         for row in order:
-            base = next((r for r in self.rows if r.cand.tag == "defaults" and r.measured), None)
-            ok = [r for r in self.rows if r.measured is not None and
-                  not self.target.failures(r, base.measured["amortised_s"] if base else None)]
+            base_s, _ = _base(self.rows)
+            ok = [r for r in self.rows if r.measured is not None and not _rejected(r) and
+                  not self.target.failures(r, base_s, accuracy=False)]
             best_s = min((r.measured["amortised_s"] for r in ok), default=None)
             reason = self._skip_reason(row, best_s) if row.cand.tag != "defaults" else None
             if reason:
@@ -227,7 +268,7 @@ class Tuner:
                 continue
             cached = self.cache.get(row.cand)
             if cached is None:
-                if not self._agree(time.perf_counter() - t0 < self.time_budget_s):
+                if not self._agree(time.perf_counter() - self.t0 < self.time_budget_s):
                     row.status = "skipped: time budget spent"
                     continue
                 cached = self.measure(row)
@@ -236,6 +277,50 @@ class Tuner:
             else:
                 row.status = "measured (cached)"
             row.measured = cached
+            count += 1
             if self.progress is not None:
                 self.progress(row)
-        return self.rows
+        return count
+
+    def probe(self, probe: Callable[["Row"], dict], max_probes: int = 3) -> int:
+        """The accuracy probe (module docstring, 4.): ``probe(row)`` trains and scores one row (cached
+        by the caller), at most ``max_probes`` rows besides the defaults over every call. Nothing
+        runs without ``max_accuracy_drop``, without a measured defaults row, or when no measured
+        candidate that meets the other constraints is faster than the defaults (slower ones count
+        too when the defaults miss a constraint). Returns how many rows it rejected: 0 when one
+        passed or nothing is left to probe."""
+        base = next((r for r in self.rows if r.cand.tag == "defaults" and r.measured), None)
+        if self.target.max_accuracy_drop is None or base is None:
+            return 0
+        if self.probes_left is None:
+            self.probes_left = int(max_probes)
+        base_s = base.measured["amortised_s"]
+        base_ok = not self.target.failures(base, base_s, accuracy=False)  # else slower rows may be chosen
+        ok = sorted((r for r in self.rows if r.measured is not None and r is not base and r.probe is None
+                     and not _rejected(r) and (r.measured["amortised_s"] < base_s or not base_ok)
+                     and not self.target.failures(r, base_s, accuracy=False)),
+                    key=lambda r: r.measured["amortised_s"])
+        if not ok or self.probes_left < 1:
+            return 0
+        rejected = [r for r in self.rows if r.status.endswith(LOWER)]
+        count = 0
+        for row in ([base] if base.probe is None else []) + ok:
+            weaker = next((r for r in rejected if r.cand.update == row.cand.update
+                           and stronger_or_equal(r.cand, row.cand)), None)
+            if weaker is not None:  # no more negatives than a rejected one: no better accuracy expected
+                row.status += f"; {SKIPPED} {weaker.cand.label()}"
+                continue
+            row.probe = probe(row)
+            if self.progress is not None:
+                self.progress(row)
+            if row is base:
+                continue
+            if not self.target.failures(row, base_s, base.probe["top1"]):
+                return 0
+            row.status += "; " + LOWER
+            rejected.append(row)
+            count += 1
+            self.probes_left -= 1
+            if self.probes_left == 0:
+                break
+        return count
