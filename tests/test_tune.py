@@ -179,6 +179,8 @@ def test_impossible_target_names_tightest_constraint(tmp_path):
 
 @pytest.mark.slow
 def test_interrupted_run_resumes_from_cache(tmp_path, monkeypatch):
+    from ds_xc.tune import tuner as tuner_module
+    monkeypatch.setattr(tuner_module, "STOP_FACTOR", 1e9)  # no stop by prediction: at least 3 measurements
     real = tune_session.measure_candidate
     calls = []
 
