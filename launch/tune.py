@@ -51,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=4, help="timed head steps per candidate")
     p.add_argument("--warmup", type=int, default=2, help="untimed head steps before them")
     p.add_argument("--eval_batches", type=int, default=1, help="held-out batches for the recall")
-    p.add_argument("--pretrain_steps", type=int, default=30,
+    p.add_argument("--pretrain_steps", type=int, default=200,
                    help="steps of the shared head whose weights the recall screen indexes")
     p.add_argument("--max_accuracy_drop", type=float, default=0.0025,
                    help="how far (a fraction: 0.0025 = a quarter point) the accuracy probe's held-out top-1 of the "

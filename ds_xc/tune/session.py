@@ -110,7 +110,7 @@ def held_out_samples(batches: Callable[[], Iterable], group=None) -> int:
 
 def tune(raw: dict, target: Target, train_batch: Callable[[int], tuple], eval_batches: Callable[[], Iterable], *,
          world: int = 1, group=None, cache_path: Optional[str] = None, constants_path: Optional[str] = None,
-         time_budget_s: float = 420.0, steps: int = 4, warmup: int = 2, pretrain_steps: int = 30,
+         time_budget_s: float = 420.0, steps: int = 4, warmup: int = 2, pretrain_steps: int = 200,
          types=("ann", "uniform", "full"), data: str = "", progress: Optional[Callable] = None,
          is_writer: bool = True, probe_steps: int = 40, probe_batches: Optional[Callable[[], Iterable]] = None,
          max_probes: int = 3) -> TuneResult:

@@ -1,0 +1,75 @@
+"""The tuner's accuracy probe on 2 and 3 gloo ranks == the same probe in one process on the
+concatenated batches (uneven shards: 101 classes; uneven per-rank batches, one rank's may be
+empty)."""
+import pytest
+import torch
+
+C, D, STEPS = 101, 12, 12
+
+
+def _section():
+    return {"num_classes": C, "embedding_dim": D, "loss": {"type": "softmax"}, "sampler": {"type": "full"},
+            "chunk_size": 16, "init_std": 0.01, "seed": 5, "optimizer": {"type": "sgd", "lr": 2.0, "momentum": 0.5}}
+
+
+def _data():
+    """8 training batches and 2 held-out batches of 24 rows from fixed class prototypes."""
+    g = torch.Generator().manual_seed(11)
+    protos = torch.nn.functional.normalize(torch.randn(C, D, generator=g), dim=1)
+
+    def draw(n):
+        y = torch.randint(0, C, (n,), generator=g)
+        return protos[y] + 0.4 * torch.randn(n, D, generator=g), y
+    return [draw(24) for _ in range(8)], [draw(24) for _ in range(2)]
+
+
+def _cuts(world, n=24):
+    """Uneven row ranges of a batch of n rows over the ranks (rank 0 holds none on 3 ranks)."""
+    sizes = {1: [n], 2: [15, 9], 3: [0, 17, 7]}[world]
+    starts = [sum(sizes[:r]) for r in range(world)]
+    return [slice(s, s + k) for s, k in zip(starts, sizes)]
+
+
+def _probe(rank, world):
+    from ds_xc.tune.probe import probe_accuracy
+    from ds_xc.tune.session import held_out_samples
+    train, held = _data()
+    cut = _cuts(world)[rank]
+    mine = [(x[cut], y[cut]) for x, y in train]
+    mine_held = [(x[cut], y[cut]) for x, y in held]
+    out = probe_accuracy(_section(), lambda i: mine[i % len(mine)], lambda: iter(mine_held), STEPS)
+    out["held_out_samples"] = held_out_samples(lambda: iter(mine_held))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_probe_on_ranks_equals_one_process(pools, world):
+    ref = _probe_single()
+    res = pools(world).run(_probe)
+    for r in res:
+        assert r["samples"] == ref["samples"] == r["held_out_samples"] == 48
+        assert abs(r["top1"] - ref["top1"]) <= 1 / 48 and abs(r["top5"] - ref["top5"]) <= 1 / 48
+        assert r["top1"] == res[0]["top1"]  # every rank reports the same score
+    assert 0.05 < ref["top1"] < 0.95
+
+
+def _probe_single():
+    import torch.distributed as dist
+    from ds_xc.head import ClassParallelHead, build_head_optimizer
+    if dist.is_initialized():  # pragma: no cover - the test process never joins a group
+        raise RuntimeError("unexpected process group")
+    train, held = _data()
+    head = ClassParallelHead.from_config(_section())
+    opt = build_head_optimizer(head, _section()["optimizer"])
+    for i in range(STEPS):
+        x, y = train[i % len(train)]
+        head(x.requires_grad_(True), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    w = head.weight.detach().double()
+    hits1 = hits5 = 0
+    for x, y in held:
+        top = (x.double() @ w.T).topk(5, dim=1).indices
+        hits1 += int((top[:, 0] == y).sum())
+        hits5 += int((top == y[:, None]).any(dim=1).sum())
+    return {"top1": hits1 / 48, "top5": hits5 / 48, "samples": 48}
