@@ -22,14 +22,13 @@ import json
 import os
 import platform
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/harness.py
-from harness import git_rev  # noqa: E402
+from harness import free_port, git_rev  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "benchmarks", "compression_train.py")
@@ -61,12 +60,6 @@ def parse_variant(text: str) -> tuple[str, dict]:
     _, spec = text.split("=", 1)
     method, _, extra = spec.partition(":")
     return method, json.loads(extra or "{}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(world: int, argv: list[str], timeout: float, env_extra: dict | None = None) -> dict:

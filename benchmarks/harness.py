@@ -21,6 +21,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import random
 import resource
 import socket
 import subprocess
@@ -81,8 +82,30 @@ def peak_reset_works() -> bool:
         return False
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (32768 where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A TCP port free now, drawn at random below the ephemeral range. A port from bind(0) lies
+    inside that range, where any outgoing connection (gloo opens many, in parallel tests too) may
+    take it between this call and the rendezvous listening on it (EADDRINUSE)."""
+    low = _ephemeral_low()
+    draw = random.Random()
+    for _ in range(200):
+        port = draw.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the low range is full: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from datetime import timedelta
@@ -18,10 +17,7 @@ from datetime import timedelta
 _TIMEOUT_S = 240
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from benchmarks.harness import free_port  # noqa: E402  one rule for every launch (ports below the ephemeral range)
 
 
 def _worker(rank: int, world: int, port: int, tasks, results) -> None:
