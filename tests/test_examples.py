@@ -31,7 +31,17 @@ def _launch(tmp_path, script, nproc, *args):
     launcher = [sys.executable] if nproc == 0 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     "--nproc_per_node", str(nproc)]
     cmd = launcher + [os.path.join(ROOT, "examples", f"{script}.py"), *STEPS, "--out", str(out), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    for attempt in range(3):
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        # A rank that finished its steps and wrote its result sometimes aborts while the process
+        # exits ("terminate called without an active exception", exit -6, gloo teardown under
+        # torchrun; seen on 2026-12-05 in about half of the runs under pytest, never when run by
+        # hand): launch again rather than fail on a crash after the work being checked.
+        teardown = proc.returncode != 0 and out.exists() and "terminate called without an active exception" in \
+            proc.stderr + proc.stdout
+        if not teardown:
+            break
+        out.unlink()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "loss " in proc.stdout
     return json.loads(out.read_text())
