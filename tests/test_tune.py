@@ -354,6 +354,10 @@ def test_tuner_with_probe_never_chooses_a_less_accurate_candidate_and_caches_pro
     assert len(calls) == first and again.chosen.cand == res.chosen.cand
     with pytest.raises(ValueError, match="needs probe_steps > 0"):
         _run(tmp_path, target, time_budget_s=1.0, probe_steps=0)
+    with pytest.raises(ValueError, match=r"max_accuracy_drop=-0.1; allowed: a fraction >= 0"):
+        _run(tmp_path, Target(min_recall=0.2, max_accuracy_drop=-0.1), time_budget_s=1.0, probe_steps=4)
+    with pytest.raises(ValueError, match="no held-out samples"):
+        _run(tmp_path, target, time_budget_s=20.0, probe_steps=4, probe_batches=lambda: iter([]))
 
 
 def test_probe_rejection_reopens_candidates_the_stop_rule_skipped():

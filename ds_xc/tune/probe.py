@@ -23,7 +23,7 @@ import torch
 
 from ds_xc.evaluate import evaluate_topk
 from ds_xc.head import ClassParallelHead, build_head_optimizer
-from ds_xc.tune.measure import release_free_memory
+from ds_xc.tune.measure import _one_step as one_step, release_free_memory
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +43,7 @@ def probe_accuracy(section: dict, train_batch: Callable[[int], tuple], eval_batc
     opt = build_head_optimizer(head, section.get("optimizer", {}))
     for i in range(steps):
         x, y = train_batch(i)
-        head(x.detach().requires_grad_(True), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        one_step(head, opt, x.detach().requires_grad_(True), y)
     with torch.no_grad():
         out = evaluate_topk(lambda x: x, head, eval_batches(), ks=(1, 5))
     del head, opt

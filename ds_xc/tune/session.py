@@ -123,6 +123,9 @@ def tune(raw: dict, target: Target, train_batch: Callable[[int], tuple], eval_ba
     if target.max_accuracy_drop is not None and probe_steps <= 0:
         raise ValueError(f"tune: max_accuracy_drop={target.max_accuracy_drop} needs probe_steps > 0 "
                          f"(got {probe_steps}); leave max_accuracy_drop unset to tune without the probe")
+    if target.max_accuracy_drop is not None and not target.max_accuracy_drop >= 0.0:
+        raise ValueError(f"tune: max_accuracy_drop={target.max_accuracy_drop}; allowed: a fraction >= 0 "
+                         "(0.0025 = a quarter point of top-1)")
     t0 = time.perf_counter()
     constants = shared_constants(constants_path, group)
     log.info("tuner: constants ready after %.1f s", time.perf_counter() - t0)
@@ -149,7 +152,11 @@ def tune(raw: dict, target: Target, train_batch: Callable[[int], tuple], eval_ba
     def probe(row) -> dict:
         nonlocal setting
         if setting is None:  # the same on every rank: the held-out samples of the whole group
-            setting = f"steps={int(probe_steps)},samples={held_out_samples(batches, group)}"
+            samples = held_out_samples(batches, group)
+            if samples == 0:  # every rank sees the same sum: the same error everywhere
+                raise ValueError("tune: the accuracy probe has no held-out samples (probe_batches yields none; "
+                                 "launch/tune.py: --probe_eval_batches must be >= 1)")
+            setting = f"steps={int(probe_steps)},samples={samples}"
         got = cache.get_probe(row.cand, setting)
         if got is None:
             got = probe_accuracy(row.config[HEAD_SECTION], train_batch, batches, probe_steps, group)
