@@ -39,15 +39,21 @@ def section(name: str, classes: int) -> dict:
 
 def run_rank(rank: int, world: int, port: int, spec: dict) -> dict:
     torch = init_rank(rank, world, port, spec)
+    from ds_xc.cost.calibrate import measure_link
     from ds_xc.tune.measure import measure_candidate
     try:
+        link = None
+        if world > 1:  # the tuner measures it on its group at every start
+            from ds_xc.parallel.groups import new_groups
+            link = measure_link(None, new_groups([[r] for r in range(world)]))
         _prewarm(torch, spec)
         gen = torch.Generator().manual_seed(100 + rank)
         local, classes = spec["micro"], spec["classes"]
         batches = [(torch.randn(local, 128, generator=gen), torch.randint(0, classes, (local,), generator=gen))
                    for _ in range(spec["warmup"] + spec["steps"])]
-        return measure_candidate(section(spec["config"], classes), lambda i: batches[i], lambda: iter(batches[:1]),
-                                 steps=spec["steps"], warmup=spec["warmup"], recall=False)
+        out = measure_candidate(section(spec["config"], classes), lambda i: batches[i], lambda: iter(batches[:1]),
+                                steps=spec["steps"], warmup=spec["warmup"], recall=False)
+        return dict(out, link=None if link is None else [link.latency_s, link.bandwidth_bps])
     finally:
         close_rank()
 
@@ -83,13 +89,14 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     import torch
     torch.set_num_threads(1)
-    from ds_xc.cost.compute import calibrate
+    from ds_xc.cost.calibrate import calibrate
     head = [f"# Cost model: predicted vs measured", "",
             f"Command: `python benchmarks/{os.path.basename(__file__)} {shlex.join(argv or sys.argv[1:])}`  ",
             f"Revision: {git_rev()}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
             f"one thread per rank; load at start: {load_average()}", ""]
     rows = ["| classes | ranks | config | pred step s | meas step s (min / median) | time error | pred persistent MiB "
-            "| meas RSS MiB | meas tensors MiB | memory error (tensors / RSS) | load |", "|" + "---|" * 11]
+            "| meas RSS MiB | meas tensors MiB | memory error (tensors / RSS) | link (us/step, Gbit/s) | load |",
+            "|" + "---|" * 12]
     for classes in [int(c) for c in args.classes.split(",")]:
         for world in [int(r) for r in args.ranks.split(",")]:
             constants = calibrate()  # at this size's start: the load of the moment
@@ -98,12 +105,15 @@ def main(argv=None) -> None:
                         "micro": args.micro, "steps": args.steps, "warmup": args.warmup}
                 ranks = spawn_ranks(spec, run_rank)
                 m = ranks[0]
+                if m["link"] is not None:  # the link the ranks measured before their steps
+                    constants.comm_alpha_s, constants.comm_s_per_byte = m["link"][0], 8.0 / m["link"][1]
                 st, pers = predict(name, classes, world, args.micro, constants)
                 err = st.total_s / m["step_min_s"] - 1
+                link = "-" if m["link"] is None else f"{m['link'][0] * 1e6:.0f}, {m['link'][1] / 1e9:.2f}"
                 mem_t, mem_r = pers / m["tensor_bytes"] - 1, pers / max(m["persistent_bytes"], 1) - 1
                 line = (f"| {classes:,} | {world} | {name} | {st.total_s:.3f} | {m['step_min_s']:.3f} / "
                         f"{m['step_s']:.3f} | {err:+.0%} | {pers / 2**20:.1f} | {m['persistent_bytes'] / 2**20:.1f} | "
-                        f"{m['tensor_bytes'] / 2**20:.1f} | {mem_t:+.0%} / {mem_r:+.0%} | {load_average()} |")
+                        f"{m['tensor_bytes'] / 2**20:.1f} | {mem_t:+.0%} / {mem_r:+.0%} | {link} | {load_average()} |")
                 rows.append(line)
                 print(line, flush=True)
                 print("  parts:", json.dumps({k: round(v, 4) for k, v in st.parts.items()}), flush=True)

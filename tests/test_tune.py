@@ -43,8 +43,10 @@ def test_full_head_flops_by_hand():
     assert w["gather_bytes"] == 0 and w["scan_rowq"] == 0 and w["comm_bytes"] == 0
     w2 = head_work(shape_of(_raw(), world_size=2))  # N = 64 x 2 rows, L = 500 per rank
     assert w2["loss_flops"] == 6 * 128 * 500 * 16
-    assert w2["collectives"] == 4 + 2 * 4  # 128 rows in chunks of 32: two all-reduces per chunk
-    assert w2["comm_bytes"] == 2 * 64 * 16 * 4 + 64 * 8 + 4 * 2 * 128 * 4 * 2
+    # ds_xc/cost/comm.py's collectives: the input check, the embedding and label gathers, two
+    # all-reduces per chunk (128 rows in chunks of 32), the gradient's reduce-scatter
+    assert w2["collectives"] == 4 + 2 * 4
+    assert w2["comm_bytes"] == 40 * 2 + 2 * 128 * 16 * 4 + 128 * 8 + 4 * (32 * 4 + 2 * 32 * 4)
 
 
 def test_uniform_head_flops_by_hand():
@@ -74,7 +76,11 @@ def test_ann_head_counts_by_hand():
     assert w["catchup_elems"] == pytest.approx(50 * 16 + distinct_rows(L, N * 128) * 16)
     per_build = 5 * 2 * min(L, 64 * nlist) * nlist * 16 + 2 * L * nlist * 16 + 2 * L * 16 * 64
     assert w["rebuild_flops"] == pytest.approx(per_build / 100)
-    assert w["reencode_flops"] == 2 * min(50, N * 16 + N) * 16 * 64
+    # re-encoded (encode_rows retrieved): the positives D(L, N) and the kept retrieved rows, at most
+    # retrieved_share (0.5) of the room the positives leave, all capped at the U = 50 active rows
+    pos = distinct_rows(L, N)
+    assert w["reencode_flops"] == pytest.approx(2 * min(50, pos + min(distinct_rows(L, N * 16), math.ceil(
+        0.5 * max(50 - pos, 0)))) * 16 * 64)
     # plain softmax: the MIPS reduction codes d + 1 dims
     assert shape_of(_raw(sampler=sampler, loss="softmax"), world_size=2).d_code == 17
 
@@ -83,11 +89,20 @@ def test_distinct_rows_and_predicted_parts():
     assert distinct_rows(1000, 0) == 0
     assert distinct_rows(1000, 1) == pytest.approx(1.0, rel=1e-3)
     assert distinct_rows(1000, 1e6) == pytest.approx(1000)
-    c = Constants(matmul_s_per_flop=1e-9, elem_s=0.0, gather_s_per_byte=0.0, overhead_s={"full": 0.5})
+    c = Constants(matmul_s_per_flop=1.0, loss_s_per_flop=1e-9, elem_s=0.0, gather_s_per_byte=0.0,
+                  overhead_s={"full": 0.5}, comm_alpha_s=1e-3, comm_s_per_byte=2e-9)
     st = predict_step_time(_raw(), world_size=1, constants=c)
-    assert st.parts["loss"] == pytest.approx(6 * 64 * 1000 * 16 * 1e-9)
-    assert st.parts["overhead"] == 0.5
+    assert st.parts["loss"] == pytest.approx(6 * 64 * 1000 * 16 * 1e-9)  # the loss's own rate
+    assert st.parts["overhead"] == 0.5 and st.parts["comm"] == 0.0
     assert st.total_s == pytest.approx(sum(st.parts.values()))
+    # 2 ranks: ring steps of 1 ms each plus 2 ns per byte of a step (half the buffer with P = 2):
+    # input check 2 steps of 80 B, the gathers 1 step each (of 128 x 16 x 4 and 128 x 8 B), 4 chunks
+    # of 2 all-reduces (2 steps each of 32 x 4 and 32 x 8 B), the gradient's reduce-scatter (gloo:
+    # an all-reduce, 2 steps of 128 x 16 x 4 B)
+    st2 = predict_step_time(_raw(), world_size=2, constants=c)
+    steps = 2 + 1 + 1 + 4 * 2 * 2 + 2
+    step_bytes = (2 * 80 + 128 * 16 * 4 + 128 * 8 + 4 * 2 * (32 * 4 + 32 * 8) + 2 * 128 * 16 * 4) / 2
+    assert st2.parts["comm"] == pytest.approx(steps * 1e-3 + step_bytes * 2e-9)
 
 
 # ----------------------------------------------------------------------------- config in, config out

@@ -73,3 +73,38 @@ def _probe_single():
         hits1 += int((top[:, 0] == y).sum())
         hits5 += int((top == y[:, None]).any(dim=1).sum())
     return {"top1": hits1 / 48, "top5": hits5 / 48, "samples": 48}
+
+
+def _link(rank, world, fake_ms):
+    """measure_link on the world group; with ``fake_ms``, every step timing replaced: the solo step
+    10 ms, the group step 10 ms plus fake_ms per ring step of its collectives."""
+    import ds_xc.cost.calibrate as cal
+    from ds_xc.parallel.groups import group_size, new_groups
+    solo = new_groups([[r] for r in range(world)])
+    real = cal._fastest_step
+    ring = (world - 1) * (16 * world + 6)  # by hand: see test_measure_link_on_ranks
+
+    def fake(section, rows, group, steps=8):
+        return 0.010 + (fake_ms * 1e-3 * ring if group_size(group) > 1 else 0.0)
+    if fake_ms:
+        cal._fastest_step = fake
+    try:
+        link = cal.measure_link(None, solo)
+    finally:
+        cal._fastest_step = real
+    return [link.latency_s, link.bandwidth_bps]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_measure_link_on_ranks(pools, world):
+    """The in-situ latency is the group step less the solo step over the step's ring steps: 128 rows
+    per rank in chunks of 32 = 4 P chunks of two all-reduces (2 (P - 1) steps each), the input check
+    and the gradient's reduce-scatter (gloo: an all-reduce), two all-gathers (P - 1 steps each):
+    (P - 1) (16 P + 6) ring steps. Every rank returns the same link."""
+    res = pools(world).run(_link, 1.5)
+    assert all(r == res[0] for r in res)
+    latency, bandwidth = res[0]
+    assert bandwidth > 1e6
+    assert latency == pytest.approx(1.5e-3, rel=0.05)  # less the bytes' time: < 5% on loopback
+    real = pools(world).run(_link, 0.0)
+    assert all(r == real[0] for r in real) and 0.0 <= real[0][0] < 0.1 and real[0][1] > 1e6

@@ -9,48 +9,44 @@ S the rows scanned per query on this shard, R the re-rank candidates, k = top_k.
 
 Work per step (``head_work``), every formula in docs/tuning.md:
 
-* loss matmuls: forward logits 2 N A d, backward (dx and dw) 4 N A d -> 6 N A d FLOPs; the
-  softmax/margin element-wise work on N A logits (``loss_elems``);
-* gathers: the G active blocks (U d floats) in the forward and their row-sparse gradient;
+* loss matmuls: forward logits 2 N A d, backward (dx and dw) 4 N A d -> 6 N A d FLOPs at the
+  fused loss's own rate; the softmax/margin element-wise work on N A logits (``loss_elems``);
+* gathers: the G active blocks (U d floats, sorted rows) in the forward and their row-sparse
+  gradient;
 * ANN retrieval: query encoding 2 N d' b, probe 2 N c d' FLOPs, the Hamming scan of N S
-  row-queries (scaled by b / 512), the exact re-rank: a gather of N R rows and 2 N R d FLOPs;
+  row-queries (scaled by b / 512), the exact re-rank: a gather of N R rows in random order and
+  2 N R d FLOPs;
 * optimizer: dense L d elements, lazy U d; lazy_exact also catches up U d plus the re-ranked
   candidates D(L, N R) d, D(L, n) = L (1 - exp(-n / L)) the distinct rows among n uniform draws;
-  re-encoding the changed rows (min(U, N k + N)) at 2 d' b FLOPs each
-  per ``encode_interval`` steps; the k-means rebuild amortised over ``rebuild_interval``:
-  iterations x 2 min(L, 64 c) c d' (training) + 2 L c d' (assignment) + 2 L d' b (codes);
-* communication (P > 1): the embeddings all-gathered and their gradient reduce-scattered
-  (2 (N - N/P) d 4 bytes in), plus the label gather, the input check and two all-reduces
-  per logits chunk of N floats: alpha per collective + bytes / beta.
+  re-encoding the changed rows per ``encode_interval`` steps at 2 d' b FLOPs each: every active
+  row with ``encode_rows: active``, else (``retrieved``) each group's positives D(L, N/G) and the
+  retrieved rows it kept, min(D(L, N k / G), ceil(retrieved_share (K - D(L, N/G)))), at most U
+  in all; the k-means rebuild amortised over ``rebuild_interval``: iterations x 2 min(L, 64 c)
+  c d' (training) + 2 L c d' (assignment) + 2 L d' b (codes);
+* communication (P > 1): the collectives of ds_xc/cost/comm.py's ``step_collectives`` (input
+  check, embedding and label gathers, two all-reduces per logits chunk, the gradient's
+  reduce-scatter), each a ring of steps costing alpha + step bytes x s/byte.
 
 Time = sum of work x seconds-per-unit (``Constants``), plus a fixed per-step overhead of the
-sampler type (Python, dispatch) measured on a tiny real head. ``calibrate`` times a few
-repetitions of each kernel on this machine, and real heads of 2^16 classes for the optimizer
-constants (10-20 s on 2 cores), keeping each one's fastest run; ``load_or_calibrate`` caches the
-constants as JSON per machine and thread count.
+sampler type (Python, dispatch) measured on a tiny real head. ds_xc/cost/calibrate.py measures the
+constants on this machine.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
-import logging
 import math
-import os
-import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
-
 from ds_xc.config import parse_config, resolve_update
+from ds_xc.cost.comm import Link, predict_time, step_collectives
 from ds_xc.sampling.ann.sampler import retrieval_budgets
 
-log = logging.getLogger(__name__)
 
-__all__ = ["distinct_rows", "Shape", "Constants", "StepTime", "shape_of", "head_work", "predict_step_time", "calibrate",
-           "load_or_calibrate", "global_batch_of"]
+__all__ = ["distinct_rows", "Shape", "Constants", "StepTime", "shape_of", "head_work", "predict_step_time",
+           "global_batch_of", "CONSTANTS_VERSION"]
 
-CONSTANTS_VERSION = 5
+CONSTANTS_VERSION = 6
 
 
 # --------------------------------------------------------------------------- the shape of one step
@@ -78,6 +74,9 @@ class Shape:
     encode_interval: int = 1
     rebuild_interval: int = 0
     kmeans_iterations: int = 10
+    encode_rows: str = "retrieved"
+    retrieved_share: float = 1.0
+    collectives: list = field(default_factory=list)  # ds_xc.cost.comm.Collective s of one step (P > 1)
 
     @property
     def U(self) -> int:
@@ -130,6 +129,9 @@ def shape_of(raw: dict, *, world_size: int, num_classes: Optional[int] = None,
         shape.S, shape.R, shape.k, shape.nlist = _ann_budgets(s, L, C)
         shape.encode_interval, shape.rebuild_interval = s.encode_interval, s.rebuild_interval
         shape.kmeans_iterations = s.kmeans_iterations
+        shape.encode_rows, shape.retrieved_share = s.encode_rows, s.retrieved_share
+    if P > 1:
+        shape.collectives = step_collectives(raw, world_size=P, global_batch=N)
     return shape
 
 
@@ -160,7 +162,7 @@ def head_work(shape: Shape) -> dict:
         w["rerank_flops"] = 2.0 * t.N * t.R * t.d
         if t.update == "lazy_exact":
             w["catchup_elems"] += distinct_rows(t.L, t.N * t.R) * t.d
-        changed = min(t.U, t.N * t.k + t.N)
+        changed = reencoded_rows(t)
         if t.encode_interval:
             w["reencode_flops"] = 2.0 * changed * dc * b / t.encode_interval
         if t.rebuild_interval:
@@ -168,27 +170,38 @@ def head_work(shape: Shape) -> dict:
             per_build = (t.kmeans_iterations * 2.0 * train * t.nlist * dc + 2.0 * t.L * t.nlist * dc
                          + 2.0 * t.L * dc * b)
             w["rebuild_flops"] = per_build / t.rebuild_interval
-    if t.P > 1:
-        n_in = t.N - t.N / t.P
-        w["comm_bytes"] = 2.0 * n_in * t.d * 4 + n_in * 8 + t.chunks * 2 * t.N * 4 * 2
-        w["collectives"] = 4.0 + 2 * t.chunks
+    w["collectives"] = float(sum(c.count for c in t.collectives))
+    w["comm_bytes"] = float(sum(c.count * c.nbytes for c in t.collectives))
     return w
+
+
+def reencoded_rows(t: Shape) -> float:
+    """Rows re-encoded per step under lazy updates (module legend): the active rows, or each
+    group's positives and the retrieved rows the active set kept (sampling/active.py's assemble)."""
+    if t.encode_rows == "active":
+        return float(t.U)
+    n = t.N / t.G
+    positives = distinct_rows(t.L, n)
+    kept = min(distinct_rows(t.L, n * t.k), math.ceil(t.retrieved_share * max(t.K - positives, 0)))
+    return min(float(t.U), t.G * (positives + kept))
 
 
 # --------------------------------------------------------------------------- constants
 @dataclass
 class Constants:
     """Seconds per unit of work on this machine (``calibrate``); per-sampler fixed overheads."""
-    matmul_s_per_flop: float = 1.0 / 40e9
+    matmul_s_per_flop: float = 1.0 / 40e9  # retrieval, re-encoding, k-means
+    loss_s_per_flop: float = 1.0 / 40e9  # the fused loss's matmuls (its chunks of logits stay in cache)
     elem_s: float = 4e-9  # per logit: softmax, margin, their backward (in the fused loss)
-    gather_s_per_byte: float = 1.0 / 4e9
+    gather_s_per_byte: float = 1.0 / 8e9  # sorted rows: the active blocks
+    rerank_s_per_byte: float = 1.0 / 2e9  # rows in random order: the re-rank's candidates
     scan_s_per_rowq: float = 3e-9  # Hamming distance of one row and one query at 512 bits
     dense_update_s: dict = field(default_factory=lambda: {"sgd": 2e-9, "adamw": 5e-9})
     sparse_update_s: dict = field(default_factory=lambda: {"sgd": 6e-9, "adamw": 10e-9})
     catchup_s: dict = field(default_factory=lambda: {"sgd": 20e-9, "adamw": 40e-9})  # lazy_exact, per element
     overhead_s: dict = field(default_factory=lambda: {"full": 2e-3, "uniform": 3e-3, "ann": 6e-3, "knn": 3e-3})
-    comm_alpha_s: float = 1e-4
-    comm_s_per_byte: float = 1.0 / 1e9
+    comm_alpha_s: float = 1e-4  # per ring step of a collective (calibrate.measure_link on the group)
+    comm_s_per_byte: float = 1.0 / 1e9  # per byte of a ring step
     threads: int = 1
     machine: str = ""
     version: int = CONSTANTS_VERSION
@@ -224,174 +237,13 @@ def predict_step_time(raw: dict, *, world_size: int, num_classes: Optional[int] 
     opt = shape.optimizer
     per_update = c.dense_update_s[opt] if shape.update == "dense" else c.sparse_update_s[opt]
     parts = {
-        "loss": w["loss_flops"] * mm + w["loss_elems"] * c.elem_s,
+        "loss": w["loss_flops"] * c.loss_s_per_flop + w["loss_elems"] * c.elem_s,
         "gather": w["gather_bytes"] * c.gather_s_per_byte,
         "optimizer": w["update_elems"] * per_update + w["catchup_elems"] * c.catchup_s[opt],
         "retrieve": ((w["encode_flops"] + w["probe_flops"] + w["rerank_flops"]) * mm
-                     + w["scan_rowq"] * c.scan_s_per_rowq + w["rerank_bytes"] * c.gather_s_per_byte),
+                     + w["scan_rowq"] * c.scan_s_per_rowq + w["rerank_bytes"] * c.rerank_s_per_byte),
         "upkeep": (w["reencode_flops"] + w["rebuild_flops"]) * mm,
-        "comm": w["collectives"] * c.comm_alpha_s + w["comm_bytes"] * c.comm_s_per_byte,
+        "comm": predict_time(shape.collectives, Link(8.0 / c.comm_s_per_byte, c.comm_alpha_s)),
         "overhead": c.overhead_s.get(shape.sampler, 0.0),
     }
     return StepTime(parts=parts, work=w, shape=shape)
-
-
-# --------------------------------------------------------------------------- calibration
-def _best_time(fn, repeats: int = 4) -> float:
-    """The fastest of ``repeats`` timed runs after a warm-up: on a shared machine the minimum is the
-    estimate least disturbed by other processes (the tuner compares it with the fastest step)."""
-    fn()  # warm-up: allocator, thread pool, code pages
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
-def _calibrate_kernels(c: Constants, gen: torch.Generator) -> None:
-    """Matmul, element-wise, gather and Hamming-scan rates from a few timed runs each."""
-    n, d, m = 512, 128, 16384
-    x, w = torch.randn(n, d, generator=gen), torch.randn(m, d, generator=gen)
-    c.matmul_s_per_flop = _best_time(lambda: x @ w.t()) / (2.0 * n * m * d)
-    # The element-wise share of the loss, from the head's own fused loss (ds_xc/head/softmax.py: the
-    # logits computed, turned into their gradient in place and multiplied out, chunk by chunk) at
-    # the head's usual chunk of rows: its time minus its 6 n m d matmul FLOPs at the rate above. A
-    # stand-alone autograd softmax costs several times more per element than the fused loop does.
-    from ds_xc.head.margins import build_loss
-    from ds_xc.head.softmax import fused_loss_and_grads
-    targets = torch.randint(0, m, (n,), generator=gen)
-    margin = build_loss({"type": "cosface"})
-    fused = _best_time(lambda: fused_loss_and_grads(x, w, targets, margin, None, 128))
-    c.elem_s = max(fused - 6.0 * n * m * d * c.matmul_s_per_flop, 0.1 * fused) / (n * m)
-    table = torch.randn(1 << 18, d, generator=gen)
-    idx = torch.randint(0, table.shape[0], (1 << 16,), generator=gen)
-    c.gather_s_per_byte = _best_time(lambda: table.index_select(0, idx)) / (idx.numel() * d * 4)
-    from ds_xc_ops.hamming import hamming_topk_flat
-    q = torch.randint(0, 256, (256, 64), dtype=torch.uint8, generator=gen)
-    db = torch.randint(0, 256, (1 << 16, 64), dtype=torch.uint8, generator=gen)
-    c.scan_s_per_rowq = _best_time(lambda: hamming_topk_flat(q, db, 256)) / (q.shape[0] * db.shape[0])
-
-
-def _timed_head(section: dict, batch: int, steps: int = 4, group=None) -> tuple[float, float]:
-    """(fastest forward, fastest optimizer step) seconds of a real head built from ``section`` on
-    ``group`` (a one-rank group when torch.distributed runs several: calibration is local)."""
-    from ds_xc.head import ClassParallelHead, build_head_optimizer
-    head = ClassParallelHead.from_config(section, group=group)
-    opt = build_head_optimizer(head, section["optimizer"])
-    gen = torch.Generator().manual_seed(2)
-    fwd, upd = [], []
-    for i in range(steps + 1):
-        x = torch.randn(batch, section["embedding_dim"], generator=gen).requires_grad_(True)
-        y = torch.randint(0, section["num_classes"], (batch,), generator=gen)
-        t0 = time.perf_counter()
-        loss = head(x, y)
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if i:  # the first step warms up
-            fwd.append(t1 - t0)
-            upd.append(time.perf_counter() - t2)
-    return min(fwd), min(upd)
-
-
-def _catchup_per_element(section: dict, batch: int, group=None) -> float:
-    """Seconds per element of lazy_exact's catch-up: after 4 steps of a uniform head, disjoint
-    blocks of L/8 rows (stale for 1 to 4 steps) are caught up through the optimizer's catch_up,
-    the fastest block kept."""
-    from ds_xc.head import ClassParallelHead, build_head_optimizer
-    head = ClassParallelHead.from_config(section, group=group)
-    opt = build_head_optimizer(head, section["optimizer"])
-    gen = torch.Generator().manual_seed(3)
-    L, d = section["num_classes"], section["embedding_dim"]
-    for _ in range(4):
-        x = torch.randn(batch, d, generator=gen).requires_grad_(True)
-        head(x, torch.randint(0, L, (batch,), generator=gen)).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    rows = torch.randperm(L, generator=gen).view(8, -1)
-    times = []
-    for block in rows[:4]:
-        t0 = time.perf_counter()
-        opt.catch_up(block)
-        times.append(time.perf_counter() - t0)
-    return min(times) / (rows.shape[1] * d)
-
-
-def _calibrate_updates(c: Constants, group=None) -> None:
-    """Per-element cost of the head optimizer's step, dense (every row) and row-sparse (the active
-    rows), and of lazy_exact's catch-up of stale rows, from real heads of 2^16 classes."""
-    L, d, rate, batch = 1 << 16, 128, 0.05, 256
-    U = math.ceil(rate * L)
-    for kind in ("sgd", "adamw"):
-        def section(sampler, update):
-            return {"num_classes": L, "embedding_dim": d, "sampler": sampler, "chunk_size": 128,
-                    "optimizer": {"type": kind, "lr": 0.01, "update": update}}
-        uniform = {"type": "uniform", "sample_rate": rate}
-        _, dense = _timed_head(section(uniform, "dense"), batch, group=group)
-        _, lazy = _timed_head(section(uniform, "lazy"), batch, group=group)
-        c.dense_update_s[kind] = dense / (L * d)
-        c.sparse_update_s[kind] = lazy / (U * d)
-        c.catchup_s[kind] = _catchup_per_element(section(uniform, "lazy_exact"), batch, group)
-
-
-def _tiny_head_overhead(c: Constants, sampler: dict, group=None) -> float:
-    """Seconds of a real head step at 4,096 classes and 64 rows less the modelled work: the fixed
-    per-step cost (Python, dispatch, small tensors) of this sampler type."""
-    from ds_xc.head import ClassParallelHead, build_head_optimizer
-    section = {"num_classes": 4096, "embedding_dim": 64, "sampler": sampler,
-               "optimizer": {"type": "sgd", "lr": 0.1}}
-    head = ClassParallelHead.from_config(section, group=group)
-    opt = build_head_optimizer(head, section["optimizer"])
-    gen = torch.Generator().manual_seed(1)
-
-    def step():
-        x = torch.randn(64, 64, generator=gen).requires_grad_(True)
-        head(x, torch.randint(0, 4096, (64,), generator=gen)).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    for _ in range(3):
-        step()
-    measured = _best_time(step, repeats=5)
-    c.overhead_s = dict(c.overhead_s, **{sampler["type"]: 0.0})
-    raw = {"train_micro_batch_size_per_gpu": 64, "extreme_classification": section}
-    predicted = predict_step_time(raw, world_size=1, constants=c).total_s
-    return max(0.0, measured - predicted)
-
-
-def calibrate(group=None) -> Constants:
-    """Time each kernel on this machine (a few repetitions; seconds) at the current thread count.
-    The communication constants keep their loopback defaults (on one host the tuner measures the
-    multi-rank step directly; ds_xc/cost/comm.py models real links). ``group``: a group holding only
-    this rank, for the real heads, when torch.distributed runs several ranks."""
-    c = Constants(threads=torch.get_num_threads(), machine=os.uname().nodename)
-    gen = torch.Generator().manual_seed(0)
-    t0 = time.perf_counter()
-    _calibrate_kernels(c, gen)
-    _calibrate_updates(c, group)
-    for sampler in ({"type": "full"}, {"type": "uniform", "sample_rate": 0.1},
-                    {"type": "ann", "sample_rate": 0.1, "rebuild_interval": 0}):
-        c.overhead_s[sampler["type"]] = _tiny_head_overhead(c, sampler, group)
-    log.info("calibrated the time model in %.1f s: %s", time.perf_counter() - t0, c.to_json())
-    return c
-
-
-def load_or_calibrate(path: Optional[str], recalibrate: bool = False, group=None) -> Constants:
-    """The constants cached at ``path`` for this machine and thread count, else calibrate and save."""
-    threads, machine = torch.get_num_threads(), os.uname().nodename
-    if path and os.path.exists(path) and not recalibrate:
-        with open(path) as fh:
-            data = json.load(fh)
-        if data.get("version") == CONSTANTS_VERSION and data.get("threads") == threads and \
-                data.get("machine") == machine:
-            return Constants.from_json(data)
-    c = calibrate(group)
-    if path:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as fh:
-            json.dump(c.to_json(), fh, indent=1)
-        os.replace(tmp, path)
-    return c

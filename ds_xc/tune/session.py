@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from ds_xc.config import HEAD_SECTION
-from ds_xc.cost.compute import Constants, global_batch_of, load_or_calibrate
+from ds_xc.cost.calibrate import load_or_calibrate, measure_link
+from ds_xc.cost.compute import Constants, global_batch_of
 from ds_xc.parallel.groups import comm_device, group_ranks, is_distributed, new_groups
 from ds_xc.tune.cache import MeasurementCache
 from ds_xc.tune.measure import measure_candidate
@@ -55,7 +56,8 @@ def changed_keys(before: dict, after: dict, prefix: str = "") -> list:
 
 def shared_constants(path: Optional[str], group=None, recalibrate: bool = False) -> Constants:
     """Rank 0's calibrated (or cached) constants on every rank of ``group`` (the world, or a group
-    every world rank calls this for)."""
+    every world rank calls this for), with the link of ``group``'s collectives measured now (it
+    depends on the group and its placement, not on the machine: never cached)."""
     if not is_distributed(group):
         return load_or_calibrate(path, recalibrate=recalibrate)
     # the calibration's heads run on rank 0 alone: a one-rank group per rank (every world rank
@@ -64,7 +66,10 @@ def shared_constants(path: Optional[str], group=None, recalibrate: bool = False)
     mine = load_or_calibrate(path, recalibrate=recalibrate, group=solo) if dist.get_rank(group=group) == 0 else None
     box = [None if mine is None else mine.to_json()]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-    return Constants.from_json(box[0])
+    c = Constants.from_json(box[0])
+    link = measure_link(group, solo)
+    c.comm_alpha_s, c.comm_s_per_byte = link.latency_s, 8.0 / link.bandwidth_bps
+    return c
 
 
 def cache_context(raw: dict, world: int, steps: int, warmup: int, data: str) -> dict:
