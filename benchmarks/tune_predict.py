@@ -90,6 +90,7 @@ def main(argv=None) -> None:
     import torch
     torch.set_num_threads(1)
     from ds_xc.cost.calibrate import calibrate
+    from ds_xc.cost.comm import Link
     head = [f"# Cost model: predicted vs measured", "",
             f"Command: `python benchmarks/{os.path.basename(__file__)} {shlex.join(argv or sys.argv[1:])}`  ",
             f"Revision: {git_rev()}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
@@ -106,7 +107,7 @@ def main(argv=None) -> None:
                 ranks = spawn_ranks(spec, run_rank)
                 m = ranks[0]
                 if m["link"] is not None:  # the link the ranks measured before their steps
-                    constants.comm_alpha_s, constants.comm_s_per_byte = m["link"][0], 8.0 / m["link"][1]
+                    constants.set_link(Link(latency_s=m["link"][0], bandwidth_bps=m["link"][1]))
                 st, pers = predict(name, classes, world, args.micro, constants)
                 err = st.total_s / m["step_min_s"] - 1
                 link = "-" if m["link"] is None else f"{m['link'][0] * 1e6:.0f}, {m['link'][1] / 1e9:.2f}"

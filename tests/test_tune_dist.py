@@ -81,17 +81,17 @@ def _link(rank, world, fake_ms):
     import ds_xc.cost.calibrate as cal
     from ds_xc.parallel.groups import group_size, new_groups
     solo = new_groups([[r] for r in range(world)])
-    real = cal._fastest_step
+    real = cal._step_times
     ring = (world - 1) * (16 * world + 6)  # by hand: see test_measure_link_on_ranks
 
-    def fake(section, rows, group, steps=8):
-        return 0.010 + (fake_ms * 1e-3 * ring if group_size(group) > 1 else 0.0)
+    def fake(section, rows, group, steps, warmup, seed):
+        return [0.010 + (fake_ms * 1e-3 * ring if group_size(group) > 1 else 0.0)] * steps
     if fake_ms:
-        cal._fastest_step = fake
+        cal._step_times = fake
     try:
         link = cal.measure_link(None, solo)
     finally:
-        cal._fastest_step = real
+        cal._step_times = real
     return [link.latency_s, link.bandwidth_bps]
 
 

@@ -89,6 +89,26 @@ def _calibrate_loss(gen: torch.Generator, n: int = 512, m: int = 8192, dims=(64,
     return a, b
 
 
+def _step_times(section: dict, rows: int, group, steps: int, warmup: int, seed: int) -> list:
+    """Seconds of each of ``steps`` training steps (forward, backward, optimizer; the random batch of
+    ``rows`` rows drawn outside the timing) of a real head built from ``section`` on ``group``,
+    after ``warmup`` untimed ones."""
+    from ds_xc.head import ClassParallelHead, build_head_optimizer
+    head = ClassParallelHead.from_config(section, group=group)
+    opt = build_head_optimizer(head, section["optimizer"])
+    gen = torch.Generator().manual_seed(seed)
+    times = []
+    for _ in range(warmup + steps):
+        x = torch.randn(rows, section["embedding_dim"], generator=gen).requires_grad_(True)
+        y = torch.randint(0, section["num_classes"], (rows,), generator=gen)
+        t0 = time.perf_counter()
+        head(x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    return times[warmup:]
+
+
 def _timed_head(section: dict, batch: int, steps: int = 4, group=None) -> tuple[float, float]:
     """(fastest forward, fastest optimizer step) seconds of a real head built from ``section`` on
     ``group`` (a one-rank group when torch.distributed runs several: calibration is local)."""
@@ -156,21 +176,9 @@ def _calibrate_updates(c: Constants, group=None) -> None:
 def _tiny_head_overhead(c: Constants, sampler: dict, group=None) -> float:
     """Seconds of a real head step at 4,096 classes and 64 rows less the modelled work: the fixed
     per-step cost (Python, dispatch, small tensors) of this sampler type."""
-    from ds_xc.head import ClassParallelHead, build_head_optimizer
     section = {"num_classes": 4096, "embedding_dim": 64, "sampler": sampler,
                "optimizer": {"type": "sgd", "lr": 0.1}}
-    head = ClassParallelHead.from_config(section, group=group)
-    opt = build_head_optimizer(head, section["optimizer"])
-    gen = torch.Generator().manual_seed(1)
-
-    def step():
-        x = torch.randn(64, 64, generator=gen).requires_grad_(True)
-        head(x, torch.randint(0, 4096, (64,), generator=gen)).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    for _ in range(3):
-        step()
-    measured = _best_time(step, repeats=5)
+    measured = min(_step_times(section, 64, group, steps=5, warmup=4, seed=1))
     c.overhead_s = dict(c.overhead_s, **{sampler["type"]: 0.0})
     raw = {"train_micro_batch_size_per_gpu": 64, "extreme_classification": section}
     predicted = predict_step_time(raw, world_size=1, constants=c).total_s
@@ -192,25 +200,6 @@ def calibrate(group=None) -> Constants:
         c.overhead_s[sampler["type"]] = _tiny_head_overhead(c, sampler, group)
     log.info("calibrated the time model in %.1f s: %s", time.perf_counter() - t0, c.to_json())
     return c
-
-
-def _fastest_step(section: dict, rows: int, group, steps: int = 8) -> float:
-    """Seconds of the fastest of ``steps`` training steps (forward, backward, optimizer) of a real
-    head built from ``section`` on ``group``, ``rows`` rows of this rank per step, after two warm-ups."""
-    from ds_xc.head import ClassParallelHead, build_head_optimizer
-    head = ClassParallelHead.from_config(section, group=group)
-    opt = build_head_optimizer(head, section["optimizer"])
-    gen = torch.Generator().manual_seed(5)
-    times = []
-    for i in range(steps + 2):
-        x = torch.randn(rows, section["embedding_dim"], generator=gen).requires_grad_(True)
-        y = torch.randint(0, section["num_classes"], (rows,), generator=gen)
-        t0 = time.perf_counter()
-        head(x, y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-    return min(times[2:])
 
 
 def measure_link(group, solo, large_bytes: int = 1 << 24, rows: int = 128, chunk: int = 32,
@@ -247,9 +236,9 @@ def measure_link(group, solo, large_bytes: int = 1 << 24, rows: int = 128, chunk
     def section(classes):
         return {"num_classes": classes, "embedding_dim": 64, "chunk_size": chunk,
                 "sampler": {"type": "uniform", "sample_rate": 0.25}, "optimizer": {"type": "sgd", "lr": 0.1}}
-    solo_s = _fastest_step(section(local), rows * p, solo)
+    solo_s = min(_step_times(section(local), rows * p, solo, steps=8, warmup=2, seed=5))
     dist.barrier(group=group)
-    group_s = _fastest_step(section(local * p), rows, group)
+    group_s = min(_step_times(section(local * p), rows, group, steps=8, warmup=2, seed=5))
     worst = torch.tensor([sorted(times)[2], solo_s, group_s], dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
     t_large, solo_s, group_s = worst.tolist()

@@ -64,7 +64,6 @@ class Shape:
     G: int
     update: str
     optimizer: str  # sgd | adamw
-    chunks: int  # logits chunks of the loss
     bits: int = 0
     d_code: int = 0
     nlist: int = 0
@@ -120,9 +119,8 @@ def shape_of(raw: dict, *, world_size: int, num_classes: Optional[int] = None,
     update, _ = resolve_update(h.optimizer.update, s.type, h.dtype)
     K = L if s.type == "full" else min(L, math.ceil(s.sample_rate * L))
     G = getattr(s, "groups", 1) if s.type == "ann" else 1
-    chunks = max(1, math.ceil(N / h.chunk_size)) if h.chunk_size else 1
     shape = Shape(N=N, d=d, C=C, P=P, L=L, sampler=s.type, A=K, K=K, G=G, update=update,
-                  optimizer=h.optimizer.type, chunks=chunks)
+                  optimizer=h.optimizer.type)
     if s.type == "ann" and K < L:
         shape.bits = s.code_bits
         shape.d_code = d + 1 if h.loss.type == "softmax" else d
@@ -206,6 +204,15 @@ class Constants:
     machine: str = ""
     version: int = CONSTANTS_VERSION
 
+    @property
+    def link(self) -> Link:
+        """The comm constants as the link of ds_xc/cost/comm.py (latency and bandwidth of a ring step)."""
+        return Link(bandwidth_bps=8.0 / self.comm_s_per_byte, latency_s=self.comm_alpha_s)
+
+    def set_link(self, link: Link) -> None:
+        """Take the comm constants from ``link`` (calibrate.measure_link on the head's group)."""
+        self.comm_alpha_s, self.comm_s_per_byte = link.latency_s, 8.0 / link.bandwidth_bps
+
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -243,7 +250,7 @@ def predict_step_time(raw: dict, *, world_size: int, num_classes: Optional[int] 
         "retrieve": ((w["encode_flops"] + w["probe_flops"] + w["rerank_flops"]) * mm
                      + w["scan_rowq"] * c.scan_s_per_rowq + w["rerank_bytes"] * c.rerank_s_per_byte),
         "upkeep": (w["reencode_flops"] + w["rebuild_flops"]) * mm,
-        "comm": predict_time(shape.collectives, Link(8.0 / c.comm_s_per_byte, c.comm_alpha_s)),
+        "comm": predict_time(shape.collectives, c.link),
         "overhead": c.overhead_s.get(shape.sampler, 0.0),
     }
     return StepTime(parts=parts, work=w, shape=shape)

@@ -37,7 +37,7 @@ from ds_xc.sampling.metrics import active_set_quality
 
 log = logging.getLogger(__name__)
 
-__all__ = ["rss_bytes", "hwm_bytes", "reset_peak", "measure_candidate", "sampler_recall"]
+__all__ = ["rss_bytes", "hwm_bytes", "reset_peak", "measure_candidate", "sampler_recall", "one_step"]
 
 
 def _status_kib(name: str) -> int:
@@ -121,7 +121,9 @@ def sampler_recall(head: ClassParallelHead, batches: Iterable, k: int = 10) -> d
     return {key: value / max(count, 1) for key, value in sums.items()}
 
 
-def _one_step(head, opt, x, y) -> float:
+def one_step(head, opt, x, y) -> float:
+    """Seconds of one training step of ``head``: forward, backward, optimizer step (the probe's
+    steps and the measured ones are the same code)."""
     t0 = time.perf_counter()
     loss = head(x, y)
     loss.backward()
@@ -160,7 +162,7 @@ def measure_candidate(section: dict, train_batch: Callable[[int], tuple], eval_b
         if i == warmup:
             reset_peak()
             persistent = rss_bytes() - baseline
-        dt = _one_step(head, opt, x.detach().requires_grad_(True), y)
+        dt = one_step(head, opt, x.detach().requires_grad_(True), y)
         if i >= warmup:
             times.append(dt)
     peak = hwm_bytes() - baseline

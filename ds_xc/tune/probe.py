@@ -23,7 +23,7 @@ import torch
 
 from ds_xc.evaluate import evaluate_topk
 from ds_xc.head import ClassParallelHead, build_head_optimizer
-from ds_xc.tune.measure import _one_step as one_step, release_free_memory
+from ds_xc.tune.measure import one_step, release_free_memory
 
 log = logging.getLogger(__name__)
 

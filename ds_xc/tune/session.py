@@ -67,8 +67,7 @@ def shared_constants(path: Optional[str], group=None, recalibrate: bool = False)
     box = [None if mine is None else mine.to_json()]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
     c = Constants.from_json(box[0])
-    link = measure_link(group, solo)
-    c.comm_alpha_s, c.comm_s_per_byte = link.latency_s, 8.0 / link.bandwidth_bps
+    c.set_link(measure_link(group, solo))
     return c
 
 
