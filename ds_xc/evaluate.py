@@ -28,12 +28,17 @@ __all__ = ["evaluate_topk", "tar_at_far", "verification"]
 
 @torch.no_grad()
 def evaluate_topk(embed: Callable[[torch.Tensor], torch.Tensor], head, batches: Iterable,
-                  ks: Sequence[int] = (1, 5), device=None, split: Optional[int] = None) -> dict:
+                  ks: Sequence[int] = (1, 5), device=None, split: Optional[int] = None,
+                  per_sample: Optional[list] = None) -> dict:
     """{"top1": .., "top5": .., "samples": N} over the whole held-out set (all ranks).
 
     ``split`` (a class id): also the top-1 of the samples of classes below it and of those at or
     above it, over all classes ({"top1_old", "top1_new", "samples_old", "samples_new"}): a grown
     class set's old and new classes (launch/grow.py, ``xc_train.eval_class_split``).
+
+    ``per_sample`` (a list): each batch's per-sample top-1 hits of this rank's rows, (B,) bool,
+    appended in order: a paired comparison of two heads on the same samples (the tuner's
+    accuracy probe) needs them, not only the counts.
 
     ``embed`` maps inputs to embeddings (the backbone, already in eval mode). A collective
     over ``head.group``: the ranks first agree on ``ks``, then, before each batch's top-k,
@@ -62,6 +67,8 @@ def evaluate_topk(embed: Callable[[torch.Tensor], torch.Tensor], head, batches: 
         for i, k in enumerate(ks):
             hits[i] += match[:, :k].any(dim=1).sum()
         hits[-5] += labels.shape[0]
+        if per_sample is not None:
+            per_sample.append(match[:, 0].cpu())
         if split is not None:
             _count_split(hits, match[:, 0], labels.to(top.device) < split)
         done += 1

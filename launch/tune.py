@@ -58,7 +58,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "chosen configuration may lie below the library defaults'")
     p.add_argument("--probe_steps", type=int, default=40,
                    help="head steps of the accuracy probe per probed candidate (0: no probe, accuracy unchecked)")
-    p.add_argument("--probe_eval_batches", type=int, default=4, help="held-out batches the probe scores")
+    p.add_argument("--probe_eval_batches", type=int, default=16,
+                   help="held-out batches (of train_micro_batch_size_per_gpu rows per rank) the probe scores the "
+                        "defaults on; a candidate is scored on the same ones, block by block, until its paired "
+                        "drop against the defaults is clearly within or beyond --max_accuracy_drop")
     p.add_argument("--max_probes", type=int, default=3, help="candidates probed besides the defaults, fastest first")
     p.add_argument("--samplers", default="ann,uniform,full", help="sampler types to consider")
     p.add_argument("--num_classes", type=int, help="override extreme_classification.num_classes")

@@ -280,6 +280,14 @@ def _row(label, step_s, recall=0.95, tag="", rate=0.1, update="lazy_exact"):
                measured={"amortised_s": step_s, "recall": recall, "peak_bytes": 1 << 20})
 
 
+def _probed(top1, base_top1, tag=""):
+    """A probe result as probe_accuracy gives it: the defaults' own, or a candidate's paired drop."""
+    if tag == "defaults":
+        return {"top1": top1, "top5": 0.3, "samples": 100, "steps": 5}
+    return {"top1": top1, "top5": 0.3, "samples": 100, "steps": 5, "base_top1": base_top1,
+            "drop": base_top1 - top1, "se": 0.005, "discordant": [1, 0], "verdict": "all samples"}
+
+
 def test_probe_order_rejection_and_choice():
     """The defaults are probed first, then the fastest candidates meeting the other constraints; a
     candidate more than max_accuracy_drop below the defaults' probe is rejected, one no stronger than
@@ -299,7 +307,7 @@ def test_probe_order_rejection_and_choice():
     def probe(row):
         name = "defaults" if row.cand.tag else "abcd"[[a, b, c, d].index(row)]
         calls.append(name)
-        return {"top1": scores[name], "top5": 0.3, "samples": 100, "steps": 5}
+        return _probed(scores[name], scores["defaults"], row.cand.tag)
     target = Target(min_recall=0.9, max_accuracy_drop=0.0025)
     Tuner(rows, target, measure=None, cache=None, time_budget_s=1.0).probe(probe, max_probes=3)
     assert calls == ["defaults", "a", "c"]
@@ -313,9 +321,10 @@ def test_probe_order_rejection_and_choice():
     calls.clear()
     Tuner(rows, target, measure=None, cache=None, time_budget_s=1.0).probe(probe, max_probes=2)
     assert calls == ["defaults", "a", "c"] and choose(rows, target) is base
-    fails = target.failures(c, 1.0, 0.200)
-    assert fails and fails[0][0] == "max_accuracy_drop" and "0.30 point below" in fails[0][2]
-    assert target.failures(d, 1.0, 0.200)[0][2] == "accuracy not probed"
+    fails = target.failures(c, 1.0)
+    assert fails and fails[0][0] == "max_accuracy_drop"
+    assert "0.30 +- 0.50 point below the defaults' 0.2000 on the same 100 held-out samples" in fails[0][2]
+    assert target.failures(d, 1.0)[0][2] == "accuracy not probed"
 
 
 def test_probe_accuracy_equals_a_dense_float64_reference():
@@ -367,7 +376,8 @@ def test_tuner_with_probe_never_chooses_a_less_accurate_candidate_and_caches_pro
     assert not any(r.status.endswith("time budget spent") for r in res.rows)
     probed = [r for r in res.rows if r.probe is not None]
     assert res.base.probe is not None and len(probed) == len(calls) >= 2
-    assert res.chosen is res.base or res.chosen.probe["top1"] >= res.base.probe["top1"]
+    chosen = res.chosen.probe
+    assert res.chosen is res.base or (chosen["drop"] <= 0.0 and chosen["top1"] >= chosen["base_top1"])
     first = len(calls)
     _, again = _run(tmp_path, target, time_budget_s=3600.0, probe_steps=4, max_probes=2)
     assert len(calls) == first and again.chosen.cand == res.chosen.cand
@@ -396,7 +406,7 @@ def test_probe_rejection_reopens_candidates_the_stop_rule_skipped():
         return {"amortised_s": row.pred_s, "recall": 0.95, "peak_bytes": 1 << 20}
 
     def probe(row):
-        return {"top1": {0.2: 0.10, 0.5: 0.30}.get(row.pred_s, 0.30), "top5": 0.5, "samples": 10, "steps": 2}
+        return _probed({0.2: 0.10, 0.5: 0.30}.get(row.pred_s, 0.30), 0.30, row.cand.tag)
     target = Target(max_accuracy_drop=0.0)
     tuner = Tuner([base, a, e], target, measure, MeasurementCache(None, {}), time_budget_s=60.0)
     assert tuner.run() == 2 and e.measured is None and e.status.startswith("skipped: predicted slower")

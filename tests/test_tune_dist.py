@@ -7,9 +7,9 @@ import torch
 C, D, STEPS = 101, 12, 12
 
 
-def _section():
+def _section(lr=2.0):
     return {"num_classes": C, "embedding_dim": D, "loss": {"type": "softmax"}, "sampler": {"type": "full"},
-            "chunk_size": 16, "init_std": 0.01, "seed": 5, "optimizer": {"type": "sgd", "lr": 2.0, "momentum": 0.5}}
+            "chunk_size": 16, "init_std": 0.01, "seed": 5, "optimizer": {"type": "sgd", "lr": lr, "momentum": 0.5}}
 
 
 def _data():
@@ -39,6 +39,8 @@ def _probe(rank, world):
     mine_held = [(x[cut], y[cut]) for x, y in held]
     out = probe_accuracy(_section(), lambda i: mine[i % len(mine)], lambda: iter(mine_held), STEPS)
     out["held_out_samples"] = held_out_samples(lambda: iter(mine_held))
+    out["paired"] = probe_accuracy(_section(lr=0.3), lambda i: mine[i % len(mine)], lambda: iter(mine_held), STEPS,
+                                   reference=out)
     return out
 
 
@@ -50,7 +52,11 @@ def test_probe_on_ranks_equals_one_process(pools, world):
         assert r["samples"] == ref["samples"] == r["held_out_samples"] == 48
         assert abs(r["top1"] - ref["top1"]) <= 1 / 48 and abs(r["top5"] - ref["top5"]) <= 1 / 48
         assert r["top1"] == res[0]["top1"]  # every rank reports the same score
-    assert 0.05 < ref["top1"] < 0.95
+        p, q = r["paired"], ref["paired"]  # the candidate paired with the defaults, on the same 48 samples
+        assert p["samples"] == 48 and p == {**res[0]["paired"], "probe_s": p["probe_s"]}
+        assert all(abs(u - v) <= 1 for u, v in zip(p["discordant"], q["discordant"]))
+        assert abs(p["drop"] - q["drop"]) <= 2 / 48 and abs(p["base_top1"] - r["top1"]) < 1e-12
+    assert 0.05 < ref["top1"] < 0.95 and sum(ref["paired"]["discordant"]) > 0
 
 
 def _probe_single():
@@ -72,7 +78,24 @@ def _probe_single():
         top = (x.double() @ w.T).topk(5, dim=1).indices
         hits1 += int((top[:, 0] == y).sum())
         hits5 += int((top == y[:, None]).any(dim=1).sum())
-    return {"top1": hits1 / 48, "top5": hits5 / 48, "samples": 48}
+    base, cand = _single_hits(_section(), train, held), _single_hits(_section(lr=0.3), train, held)
+    b, c = int((base & ~cand).sum()), int((~base & cand).sum())
+    paired = {"discordant": [b, c], "drop": (b - c) / 48}
+    return {"top1": hits1 / 48, "top5": hits5 / 48, "samples": 48, "paired": paired}
+
+
+def _single_hits(section, train, held):
+    """(48,) bool: top-1 hits of the section's head trained in one process, scored in float64."""
+    from ds_xc.head import ClassParallelHead, build_head_optimizer
+    head = ClassParallelHead.from_config(section)
+    opt = build_head_optimizer(head, section["optimizer"])
+    for i in range(STEPS):
+        x, y = train[i % len(train)]
+        head(x.requires_grad_(True), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    w = head.weight.detach().double()
+    return torch.cat([(x.double() @ w.T).argmax(dim=1) == y for x, y in held])
 
 
 def _link(rank, world, fake_ms):

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ds_xc import config as cfg
 from ds_xc.head.checks import BAD_INPUT, Verdict, decide, fill_verdict, local_problem
 from ds_xc.head.margins import TargetLoss, build_loss
-from ds_xc.head.partition import init_shard, shard_range
+from ds_xc.head.partition import init_shard, shard_range, shard_topk
 from ds_xc.head.replicas import Replicas
 from ds_xc.head.softmax import sharded_margin_loss
 from ds_xc.parallel.collectives import (all_gather_no_grad, all_gather_rows, exchange_sizes, merge_topk,
@@ -380,7 +380,7 @@ class ClassParallelHead(nn.Module):
         vals = torch.full((n, k), float("-inf"), dtype=torch.float32, device=x.device)  # (N, k), padded
         ids = torch.full((n, k), -1, dtype=torch.int64, device=x.device)
         for a in range(0, n if kl else 0, step):
-            v, i = torch.topk((x[a: a + step] @ w.t()).float(), kl, dim=1)  # (n, kl)
+            v, i = shard_topk(x[a: a + step], w, kl)  # (n, kl)
             vals[a: a + step, :kl], ids[a: a + step, :kl] = v, i + self.class_start
         ids = merge_topk(vals, ids, k, self.group)  # (N, k); k <= C real candidates: never a pad
         if replicated:

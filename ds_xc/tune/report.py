@@ -114,14 +114,18 @@ def report_text(chosen, base, target, rows: list, context: dict, tuned_keys: lis
         lines.append(f"Library defaults ({base.cand.label()}): step {base.measured['amortised_s']:.3f} s, recall@10 "
                      f"{base.measured['recall']:.3f}, peak {base.measured['peak_bytes'] / GIB:.2f} GiB: the chosen "
                      f"one is {base.measured['amortised_s'] / m['amortised_s']:.2f}x faster per step.")
-    if chosen.probe is not None and base is not None and base.probe is not None:
-        lines.append(f"Accuracy probe ({chosen.probe['steps']} head steps, {chosen.probe['samples']} held-out "
-                     f"samples): top-1 {chosen.probe['top1']:.4f} against the defaults' {base.probe['top1']:.4f}.")
+    p = chosen.probe
+    if p is not None and "drop" in p:
+        lines.append(f"Accuracy probe ({p['steps']} head steps, paired on {p['samples']} held-out samples): top-1 "
+                     f"{p['top1']:.4f} against the defaults' {p['base_top1']:.4f} on the same samples, a drop of "
+                     f"{100 * p['drop']:.2f} +- {100 * p['se']:.2f} point (discordant samples {p['discordant'][0]} "
+                     f"only the defaults', {p['discordant'][1]} only this one's; scoring ended: {p['verdict']}).")
     rejected = [r for r in rows if r.status.endswith("probe: lower accuracy")]
     if rejected:
         lines.append("Faster, but rejected by the accuracy probe: " + "; ".join(
-            f"{r.cand.label()} ({r.measured['amortised_s']:.3f} s, probe top-1 {r.probe['top1']:.4f})"
-            for r in rejected) + ".")
+            f"{r.cand.label()} ({r.measured['amortised_s']:.3f} s, probe top-1 {r.probe['top1']:.4f} vs "
+            f"{r.probe['base_top1']:.4f}: {100 * r.probe['drop']:.2f} +- {100 * r.probe['se']:.2f} point below, "
+            f"{r.probe['samples']} samples)" for r in rejected) + ".")
     ok = sorted((r for r in rows if r.measured and r is not chosen and not r.status.startswith("skipped")
                  and (target.min_recall is None or r.measured["recall"] >= target.min_recall)),
                 key=lambda r: r.measured["amortised_s"])
@@ -129,7 +133,7 @@ def report_text(chosen, base, target, rows: list, context: dict, tuned_keys: lis
     lines.append("Why: the fastest measured candidate that meets every constraint; candidates were measured in "
                  "the order of the time model's predictions, weaker ones than a candidate that missed the recall "
                  "target skipped" + ("; with the accuracy probe, a candidate is chosen only when its probe's held-out "
-                                     "top-1 lies within max_accuracy_drop of the defaults'."
+                                     "top-1 lies within max_accuracy_drop of the defaults' on the same samples."
                                      if target.max_accuracy_drop is not None else "."))
     if ok:
         lines.append(f"Runner-up: {ok[0].cand.label()} ({ok[0].measured['amortised_s']:.3f} s, recall "

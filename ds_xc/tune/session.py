@@ -160,10 +160,12 @@ def tune(raw: dict, target: Target, train_batch: Callable[[int], tuple], eval_ba
             if samples == 0:  # every rank sees the same sum: the same error everywhere
                 raise ValueError("tune: the accuracy probe has no held-out samples (probe_batches yields none; "
                                  "launch/tune.py: --probe_eval_batches must be >= 1)")
-            setting = f"steps={int(probe_steps)},samples={samples}"
+            setting = f"steps={int(probe_steps)},samples={samples},paired:drop={target.max_accuracy_drop}"
         got = cache.get_probe(row.cand, setting)
         if got is None:
-            got = probe_accuracy(row.config[HEAD_SECTION], train_batch, batches, probe_steps, group)
+            base = next(r for r in rows if r.cand.tag == "defaults")  # probed first (Tuner.probe)
+            got = probe_accuracy(row.config[HEAD_SECTION], train_batch, batches, probe_steps, group,
+                                 reference=None if row is base else base.probe, max_drop=target.max_accuracy_drop)
             cache.put_probe(row.cand, setting, got)
         return got
     while tuner.probe(probe, max_probes) and tuner.run():

@@ -14,7 +14,8 @@
    the target, or the wall-clock budget is spent.
 4. With ``max_accuracy_drop``: the accuracy probe (probe.py). The defaults are probed, then the
    measured candidates that meet every other constraint, fastest first, until one learns as well
-   as the defaults (held-out top-1 of the probe at most ``max_accuracy_drop`` below theirs) or
+   as the defaults (its held-out top-1 at most ``max_accuracy_drop`` below theirs, paired on the
+   same samples: probe.py) or
    ``max_probes`` were tried; a candidate no stronger than a rejected one (recall knobs, same
    update mode) is not probed, and one that was not probed cannot be chosen. When rejections
    leave no passing candidate, the search (3.) resumes without them, since the stop rule may have
@@ -59,10 +60,9 @@ class Target:
     max_step_s: Optional[float] = None
     max_accuracy_drop: Optional[float] = None  # held-out top-1 of the probe, below the defaults' (a fraction)
 
-    def failures(self, row: "Row", base_s: Optional[float], base_top1: Optional[float] = None,
-                 accuracy: bool = True) -> list:
+    def failures(self, row: "Row", base_s: Optional[float], accuracy: bool = True) -> list:
         """The constraints a measured row misses: [(name, how far, text)]; how far is relative.
-        ``base_top1``: the defaults' probe top-1; ``accuracy=False`` leaves the probe out."""
+        ``accuracy=False`` leaves the probe out (its drop is paired with the defaults: probe.py)."""
         m, out = row.measured, []
         if self.max_memory_gib is not None and m["peak_bytes"] / GIB > self.max_memory_gib:
             gib = m["peak_bytes"] / GIB
@@ -78,13 +78,14 @@ class Target:
             out.append(("max_step_s", m["amortised_s"] / self.max_step_s - 1,
                         f"step {m['amortised_s']:.3f} s > {self.max_step_s} s"))
         if accuracy and self.max_accuracy_drop is not None and row.cand.tag != "defaults":
-            if row.probe is None or base_top1 is None:
+            p = row.probe
+            if p is None:
                 out.append(("max_accuracy_drop", 1.0, "accuracy not probed"))
-            elif row.probe["top1"] < base_top1 - self.max_accuracy_drop:
-                drop = base_top1 - row.probe["top1"]
-                out.append(("max_accuracy_drop", drop / max(self.max_accuracy_drop, 1e-9) - 1,
-                            f"probe top-1 {row.probe['top1']:.4f} is {100 * drop:.2f} point below the defaults' "
-                            f"{base_top1:.4f} (allowed {100 * self.max_accuracy_drop:.2f})"))
+            elif p["drop"] > self.max_accuracy_drop:
+                out.append(("max_accuracy_drop", p["drop"] / max(self.max_accuracy_drop, 1e-9) - 1,
+                            f"probe top-1 {p['top1']:.4f} is {100 * p['drop']:.2f} +- {100 * p['se']:.2f} point "
+                            f"below the defaults' {p['base_top1']:.4f} on the same {p['samples']} held-out samples "
+                            f"(allowed {100 * self.max_accuracy_drop:.2f})"))
         return out
 
 
@@ -187,19 +188,17 @@ def _rejected(row: Row) -> bool:
     return row.status.endswith(LOWER) or SKIPPED in row.status
 
 
-def _base(rows: list) -> tuple:
-    """(the defaults' measured step s, the defaults' probe top-1), None where absent."""
+def _base(rows: list) -> Optional[float]:
+    """The defaults' measured step s, None where not measured."""
     base = next((r for r in rows if r.cand.tag == "defaults" and r.measured), None)
-    if base is None:
-        return None, None
-    return base.measured["amortised_s"], (base.probe or {}).get("top1")
+    return None if base is None else base.measured["amortised_s"]
 
 
 def choose(rows: list, target: Target) -> Row:
     """The fastest measured row that meets the target, else TargetUnreachable (see the class)."""
-    base_s, base_top1 = _base(rows)
+    base_s = _base(rows)
     measured = [r for r in rows if r.measured is not None]
-    ok = [r for r in measured if not target.failures(r, base_s, base_top1)]
+    ok = [r for r in measured if not target.failures(r, base_s)]
     if ok:
         best = min(ok, key=lambda r: r.measured["amortised_s"])
         best.status = "chosen"
@@ -207,7 +206,7 @@ def choose(rows: list, target: Target) -> Row:
     if not measured:
         raise TargetUnreachable("no candidate was measured (the time budget ran out before the first "
                                 "measurement, or every candidate was pruned); raise --time_budget_s", None, rows)
-    fails = {id(r): target.failures(r, base_s, base_top1) for r in measured}
+    fails = {id(r): target.failures(r, base_s) for r in measured}
     names = [f[0] for fs in fails.values() for f in fs]
     met = {n: sum(1 for fs in fails.values() if n not in [f[0] for f in fs]) for n in set(names)}
     tightest = min(met, key=lambda n: (met[n], -names.count(n)))
@@ -258,7 +257,7 @@ class Tuner:
                        key=lambda r: (r.cand.tag != "defaults", r.pred_s))
         count = 0
         for row in order:
-            base_s, _ = _base(self.rows)
+            base_s = _base(self.rows)
             ok = [r for r in self.rows if r.measured is not None and not _rejected(r) and
                   not self.target.failures(r, base_s, accuracy=False)]
             best_s = min((r.measured["amortised_s"] for r in ok), default=None)
@@ -315,7 +314,7 @@ class Tuner:
                 self.progress(row)
             if row is base:
                 continue
-            if not self.target.failures(row, base_s, base.probe["top1"]):
+            if not self.target.failures(row, base_s):
                 return 0
             row.status += "; " + LOWER
             rejected.append(row)
