@@ -134,8 +134,10 @@ def main(argv=None) -> int:
     def progress(row):  # after each measurement, then after each accuracy probe
         if bar is not None:
             bar.update(1)
-            what = (f"probe top-1 {row.probe['top1']:.4f}" if row.probe is not None else
-                    f"{row.measured['amortised_s']:.3f} s, recall {row.measured['recall']:.3f}")
+            p = row.probe
+            what = (f"{row.measured['amortised_s']:.3f} s, recall {row.measured['recall']:.3f}" if p is None else
+                    f"probe top-1 {p['top1']:.4f}" + (f", {100 * p['drop']:+.2f} +- {100 * p['se']:.2f} point below "
+                                                      "the defaults" if "drop" in p else ""))
             bar.set_postfix_str(f"{row.cand.label()[:40]}: {what}")
     try:
         res = tune(raw, target, train_batch, eval_batches, world=world, cache_path=args.cache or os.path.join(
