@@ -331,27 +331,14 @@ def test_probe_accuracy_equals_a_dense_float64_reference():
     """probe_accuracy trains the section's head from its seeded weights and scores held-out top-1
     over all classes: the same steps by hand, then a dense float64 argmax of x.w, give the same
     top-1 and top-5."""
-    from ds_xc.head import ClassParallelHead, build_head_optimizer
     from ds_xc.tune.probe import probe_accuracy
+    from tests.probe_ref import topk_counts, trained_weight
     section = _raw(num_classes=100, dim=16, loss="softmax")["extreme_classification"]
     section["optimizer"]["lr"] = 5.0
     train, held = _inputs(100, 16, 64, seed=3)
     held_batches = [next(held())] + [train(7)]
     got = probe_accuracy(section, train, lambda: iter(held_batches), steps=16)
-    head = ClassParallelHead.from_config(section)
-    opt = build_head_optimizer(head, section["optimizer"])
-    for i in range(16):
-        x, y = train(i)
-        head(x.detach().requires_grad_(True), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    w = head.weight.detach().double()
-    hits1 = hits5 = n = 0
-    for x, y in held_batches:
-        top = (x.double() @ w.T).topk(5, dim=1).indices
-        hits1 += int((top[:, 0] == y).sum())
-        hits5 += int((top == y[:, None]).any(dim=1).sum())
-        n += y.numel()
+    hits1, hits5, n = topk_counts(trained_weight(section, train, 16), held_batches)
     assert got["samples"] == n == 128 and got["steps"] == 16
     assert got["top1"] == pytest.approx(hits1 / n, abs=1e-12) and got["top5"] == pytest.approx(hits5 / n, abs=1e-12)
     assert 0.0 < got["top1"] < 1.0  # a score that can move either way

@@ -61,41 +61,17 @@ def test_probe_on_ranks_equals_one_process(pools, world):
 
 def _probe_single():
     import torch.distributed as dist
-    from ds_xc.head import ClassParallelHead, build_head_optimizer
+    from tests.probe_ref import top1_hits, topk_counts, trained_weight
     if dist.is_initialized():  # pragma: no cover - the test process never joins a group
         raise RuntimeError("unexpected process group")
     train, held = _data()
-    head = ClassParallelHead.from_config(_section())
-    opt = build_head_optimizer(head, _section()["optimizer"])
-    for i in range(STEPS):
-        x, y = train[i % len(train)]
-        head(x.requires_grad_(True), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    w = head.weight.detach().double()
-    hits1 = hits5 = 0
-    for x, y in held:
-        top = (x.double() @ w.T).topk(5, dim=1).indices
-        hits1 += int((top[:, 0] == y).sum())
-        hits5 += int((top == y[:, None]).any(dim=1).sum())
-    base, cand = _single_hits(_section(), train, held), _single_hits(_section(lr=0.3), train, held)
+    batch = lambda i: train[i % len(train)]  # noqa: E731
+    w = trained_weight(_section(), batch, STEPS)
+    hits1, hits5, n = topk_counts(w, held)
+    base, cand = top1_hits(w, held), top1_hits(trained_weight(_section(lr=0.3), batch, STEPS), held)
     b, c = int((base & ~cand).sum()), int((~base & cand).sum())
-    paired = {"discordant": [b, c], "drop": (b - c) / 48}
-    return {"top1": hits1 / 48, "top5": hits5 / 48, "samples": 48, "paired": paired}
-
-
-def _single_hits(section, train, held):
-    """(48,) bool: top-1 hits of the section's head trained in one process, scored in float64."""
-    from ds_xc.head import ClassParallelHead, build_head_optimizer
-    head = ClassParallelHead.from_config(section)
-    opt = build_head_optimizer(head, section["optimizer"])
-    for i in range(STEPS):
-        x, y = train[i % len(train)]
-        head(x.requires_grad_(True), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    w = head.weight.detach().double()
-    return torch.cat([(x.double() @ w.T).argmax(dim=1) == y for x, y in held])
+    paired = {"discordant": [b, c], "drop": (b - c) / n}
+    return {"top1": hits1 / n, "top5": hits5 / n, "samples": n, "paired": paired}
 
 
 def _link(rank, world, fake_ms):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ds_xc.head.partition import shard_topk
+from tests.probe_ref import top1_hits, trained_weight
 from ds_xc.tune.probe import BLOCK, Z, paired_drop, probe_accuracy
 
 C, D, B = 60, 12, 32
@@ -30,16 +31,7 @@ def _data(held_batches):
 
 def _hits_by_hand(section, train, held, steps):
     """(samples,) bool: top-1 hits of the section's head trained by hand, scored in float64."""
-    from ds_xc.head import ClassParallelHead, build_head_optimizer
-    head = ClassParallelHead.from_config(section)
-    opt = build_head_optimizer(head, section["optimizer"])
-    for i in range(steps):
-        x, y = train[i % len(train)]
-        head(x.requires_grad_(True), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    w = head.weight.detach().double()
-    return torch.cat([(x.double() @ w.T).argmax(dim=1) == y for x, y in held])
+    return top1_hits(trained_weight(section, lambda i: train[i % len(train)], steps), held)
 
 
 def test_paired_drop_by_hand():
