@@ -4,8 +4,8 @@ For each class count, world size and head config: the time model's step (ds_xc/c
 constants calibrated at the start of this run) against the fastest measured head step
 (``step_min_s`` of ds_xc.tune.measure.measure_candidate: forward with the sampler, backward,
 optimizer step, index build excluded on both sides), and the memory model's persistent bytes
-(ds_xc/cost/memory.py, head and sampler only) against the measured RSS growth after the warm-up
-and the bytes of the tensors the head holds. Random embeddings; every rank its own gloo process.
+(ds_xc/cost/memory.py, head and sampler only) against the measured RSS growth after the steps
+(freed heap pages handed back first, measure.py) and the bytes of the tensors the head holds. Random embeddings; every rank its own gloo process.
 
     python benchmarks/tune_predict.py                          # 1e5 and 1e6 classes, 1 and 2 ranks
     python benchmarks/tune_predict.py --classes 100000 --ranks 1 --out -

@@ -161,13 +161,12 @@ def measure_candidate(section: dict, train_batch: Callable[[int], tuple], eval_b
         x, y = train_batch(i)
         if i == warmup:
             reset_peak()
-            persistent = rss_bytes() - baseline
         dt = one_step(head, opt, x.detach().requires_grad_(True), y)
         if i >= warmup:
             times.append(dt)
     peak = hwm_bytes() - baseline
-    if warmup == 0:
-        persistent = peak
+    release_free_memory()  # the steps' freed buffers are the allocator's, not the head's: handed back first
+    persistent = rss_bytes() - baseline  # what the head holds between steps
     every = getattr(head.sampler_config, "rebuild_interval", 0)
     tensors = tensor_bytes(head, opt)
     step_s, step_min = statistics.median(times), min(times)
