@@ -77,6 +77,17 @@ def predict(name: str, classes: int, world: int, micro: int, constants) -> tuple
     return st, persistent
 
 
+def _run_case(spec: dict, constants, micro: int) -> tuple:
+    """One run of a case in fresh rank processes: (time error, rank 0's measurement, the predicted
+    step, the predicted persistent bytes), the prediction with the link these ranks measured."""
+    from ds_xc.cost.comm import Link
+    m = spawn_ranks(spec, run_rank)[0]
+    if m["link"] is not None:  # the link the ranks measured before their steps
+        constants.set_link(Link(latency_s=m["link"][0], bandwidth_bps=m["link"][1]))
+    st, pers = predict(spec["config"], spec["classes"], spec["world"], micro, constants)
+    return st.total_s / m["step_min_s"] - 1, m, st, pers
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--classes", default="100000,1000000")
@@ -85,36 +96,38 @@ def main(argv=None) -> None:
     p.add_argument("--micro", type=int, default=256, help="rows per rank")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of each case (fresh processes, the link measured again): the table shows the run "
+                        "with the median time error and every run's error (loopback latency is noisy)")
     p.add_argument("--out", default=os.path.join(RESULTS, "tune_predict.md"))
     args = p.parse_args(argv)
     import torch
     torch.set_num_threads(1)
     from ds_xc.cost.calibrate import calibrate
-    from ds_xc.cost.comm import Link
     head = [f"# Cost model: predicted vs measured", "",
             f"Command: `python benchmarks/{os.path.basename(__file__)} {shlex.join(argv or sys.argv[1:])}`  ",
             f"Revision: {git_rev()}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
             f"one thread per rank; load at start: {load_average()}", ""]
     rows = ["| classes | ranks | config | pred step s | meas step s (min / median) | time error | pred persistent MiB "
-            "| meas RSS MiB | meas tensors MiB | memory error (tensors / RSS) | link (us/step, Gbit/s) | load |",
-            "|" + "---|" * 12]
+            "| meas RSS MiB | meas tensors MiB | memory error (tensors / RSS) | link (us/step, Gbit/s) | time errors of "
+            "the repeats | load |",
+            "|" + "---|" * 13]
     for classes in [int(c) for c in args.classes.split(",")]:
         for world in [int(r) for r in args.ranks.split(",")]:
             constants = calibrate()  # at this size's start: the load of the moment
             for name in args.configs.split(","):
                 spec = {"world": world, "threads": 1, "timeout": 900, "classes": classes, "config": name,
                         "micro": args.micro, "steps": args.steps, "warmup": args.warmup}
-                ranks = spawn_ranks(spec, run_rank)
-                m = ranks[0]
-                if m["link"] is not None:  # the link the ranks measured before their steps
-                    constants.set_link(Link(latency_s=m["link"][0], bandwidth_bps=m["link"][1]))
-                st, pers = predict(name, classes, world, args.micro, constants)
-                err = st.total_s / m["step_min_s"] - 1
+                runs = sorted((_run_case(spec, constants, args.micro) for _ in range(max(args.repeats, 1))),
+                              key=lambda r: r[0])
+                err, m, st, pers = runs[len(runs) // 2]  # the median run (the upper one of an even count)
+                errors = ", ".join(f"{r[0]:+.0%}" for r in runs)
                 link = "-" if m["link"] is None else f"{m['link'][0] * 1e6:.0f}, {m['link'][1] / 1e9:.2f}"
                 mem_t, mem_r = pers / m["tensor_bytes"] - 1, pers / max(m["persistent_bytes"], 1) - 1
                 line = (f"| {classes:,} | {world} | {name} | {st.total_s:.3f} | {m['step_min_s']:.3f} / "
                         f"{m['step_s']:.3f} | {err:+.0%} | {pers / 2**20:.1f} | {m['persistent_bytes'] / 2**20:.1f} | "
-                        f"{m['tensor_bytes'] / 2**20:.1f} | {mem_t:+.0%} / {mem_r:+.0%} | {link} | {load_average()} |")
+                        f"{m['tensor_bytes'] / 2**20:.1f} | {mem_t:+.0%} / {mem_r:+.0%} | {link} | {errors} | "
+                        f"{load_average()} |")
                 rows.append(line)
                 print(line, flush=True)
                 print("  parts:", json.dumps({k: round(v, 4) for k, v in st.parts.items()}), flush=True)
