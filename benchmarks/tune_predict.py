@@ -5,7 +5,8 @@ constants calibrated at the start of this run) against the fastest measured head
 (``step_min_s`` of ds_xc.tune.measure.measure_candidate: forward with the sampler, backward,
 optimizer step, index build excluded on both sides), and the memory model's persistent bytes
 (ds_xc/cost/memory.py, head and sampler only) against the measured RSS growth after the steps
-(freed heap pages handed back first, measure.py) and the bytes of the tensors the head holds. Random embeddings; every rank its own gloo process.
+(freed heap pages handed back first, measure.py) and the bytes of the tensors the head holds.
+Random embeddings; every rank its own gloo process.
 
     python benchmarks/tune_predict.py                          # 1e5 and 1e6 classes, 1 and 2 ranks
     python benchmarks/tune_predict.py --classes 100000 --ranks 1 --out -
@@ -109,8 +110,8 @@ def main(argv=None) -> None:
             f"Revision: {git_rev()}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
             f"one thread per rank; load at start: {load_average()}", ""]
     rows = ["| classes | ranks | config | pred step s | meas step s (min / median) | time error | pred persistent MiB "
-            "| meas RSS MiB | meas tensors MiB | memory error (tensors / RSS) | link (us/step, Gbit/s) | time errors of "
-            "the repeats | load |",
+            "| meas RSS MiB | meas tensors MiB | memory error (tensors / RSS) | link (us/step, Gbit/s) "
+            "| time errors of the repeats | load |",
             "|" + "---|" * 13]
     for classes in [int(c) for c in args.classes.split(",")]:
         for world in [int(r) for r in args.ranks.split(",")]:

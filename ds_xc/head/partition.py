@@ -68,7 +68,7 @@ def shard_topk(x: torch.Tensor, w: torch.Tensor, k: int, block: int = TOPK_BLOCK
     a 512 MB matrix, and the blocked scan took a third less time on a CPU core."""
     best_v = best_i = None
     for s in range(0, w.shape[0], block):
-        v, i = torch.topk((x @ w[s: s + block].t()).float(), min(k, min(block, w.shape[0] - s)), dim=1)
+        v, i = torch.topk((x @ w[s: s + block].t()).float(), min(k, block, w.shape[0] - s), dim=1)
         if best_v is not None:  # merge with the best so far: (n, k + kb) -> (n, k)
             v, i = torch.cat([best_v, v], dim=1), torch.cat([best_i, i + s], dim=1)
             v, j = torch.topk(v, min(k, v.shape[1]), dim=1)

@@ -128,8 +128,8 @@ def _score_paired(head, batches: list, reference: dict, max_drop: Optional[float
             verdict = "beyond"
             break
     b, c, hits, n = total.tolist()
-    drop, se = paired_drop(b, c, max(n, 1.0))
     n1 = max(n, 1.0)
+    drop, se = paired_drop(b, c, n1)
     return {"top1": hits / n1, "top5": top5 / n1, "samples": int(n), "base_top1": (hits + b - c) / n1,
             "drop": drop, "se": se, "discordant": [int(b), int(c)], "verdict": verdict}
 

@@ -21,7 +21,7 @@ from ds_xc.cost.compute import Constants, global_batch_of
 from ds_xc.parallel.groups import comm_device, group_ranks, is_distributed, new_groups
 from ds_xc.tune.cache import MeasurementCache
 from ds_xc.tune.measure import measure_candidate
-from ds_xc.tune.probe import probe_accuracy
+from ds_xc.tune.probe import BLOCK, Z, probe_accuracy
 from ds_xc.tune.space import TUNED_KEYS
 from ds_xc.tune.screen import pretrain_weight, screen_recall, structure_key
 from ds_xc.tune.tuner import Target, Tuner, choose, frontier, predict_all, prune, prune_by_screen
@@ -160,7 +160,8 @@ def tune(raw: dict, target: Target, train_batch: Callable[[int], tuple], eval_ba
             if samples == 0:  # every rank sees the same sum: the same error everywhere
                 raise ValueError("tune: the accuracy probe has no held-out samples (probe_batches yields none; "
                                  "launch/tune.py: --probe_eval_batches must be >= 1)")
-            setting = f"steps={int(probe_steps)},samples={samples},paired:drop={target.max_accuracy_drop}"
+            setting = (f"steps={int(probe_steps)},samples={samples},paired:drop={target.max_accuracy_drop},"
+                       f"block={BLOCK},z={Z}")  # a candidate's scored samples depend on all of them
         got = cache.get_probe(row.cand, setting)
         if got is None:
             base = next(r for r in rows if r.cand.tag == "defaults")  # probed first (Tuner.probe)
