@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from ds_xc_ops import hamming as H
 from ds_xc_ops.hamming_torch import topk_ivf_torch
 from tests.ivf_data import random_ivf
 
-BITS = [32, 64, 96, 256, 1024]
+BITS = [32, 64, 96, 256, 512, 1024]
 SCENARIOS = ["random", "few_codes", "one_code", "k_large", "skip_probes", "empty_lists",
              "repeat_probes", "probes_over_nlist", "no_probes"]
 CUDA = torch.cuda.is_available()
@@ -184,6 +185,49 @@ def test_cpu_query_blocks_equal_torch(cpu_op, threads):
         assert_same(H.hamming_topk_ivf(*args, k, backend="cpu"), want)
     finally:
         torch.set_num_threads(old)
+
+
+def _cpu_has_vpopcntdq() -> bool:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            flags = fh.read()
+    except OSError:
+        return False
+    return " avx512f" in flags and " avx512_vpopcntdq" in flags
+
+
+SIMD_CASES = [  # (bits, rows, nlist, nprobe, distinct, k): list lengths not multiples of 8, the bound
+    (256, 5003, 37, 9, None, 1), (512, 5003, 37, 9, None, 7), (1024, 3001, 23, 6, None, 40),  # falling
+    (512, 4099, 29, 8, 3, 5), (256, 4099, 29, 8, 2, 33), (1024, 2003, 17, 5, 4, 200),  # inside a group
+    (512, 61, 11, 4, None, 9), (512, 7, 3, 3, None, 4),  # of 8; wide ties; lists shorter than 8
+]
+
+
+@pytest.mark.parametrize("bits,rows,nlist,nprobe,distinct,k", SIMD_CASES)
+def test_cpu_vector_scan_equals_torch(cpu_op, bits, rows, nlist, nprobe, distinct, k):
+    """The 8-rows-at-a-time AVX-512 scan (256/512/1024-bit codes, where the CPU has VPOPCNTDQ) keeps the
+    scalar selection's result exactly: tails, ties broken by id, a bound that falls within a group."""
+    if _cpu_has_vpopcntdq() and os.environ.get("DS_XC_HAMMING_SIMD", "1") != "0":
+        assert cpu_op.simd() == "avx512"  # CI runs on such machines: the vector path is the one tested here
+    args = random_ivf(bits * 7 + rows, bits, 40, rows, nlist, nprobe, distinct, id_scale=3, id_offset=5)
+    assert_same(H.hamming_topk_ivf(*args, k, backend="cpu"), H.hamming_topk_ivf(*args, k, backend="torch"))
+
+
+def test_cpu_scalar_scan_forced_equals_vector_scan(cpu_op, tmp_path):
+    """DS_XC_HAMMING_SIMD=0 (read once per process) selects the scalar scan; both paths agree bitwise."""
+    args = random_ivf(3, 512, 64, 20011, 61, 12, None, id_scale=3, id_offset=5)
+    torch.save(args, tmp_path / "ivf.pt")
+    code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); from ds_xc_ops import builders, hamming as H; "
+            "op = builders.load_op('cpu'); a = torch.load(sys.argv[2]); "
+            "torch.save((op.simd(), H.hamming_topk_ivf(*a, 50, backend='cpu')), sys.argv[3])")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, DS_XC_HAMMING_SIMD="0")
+    subprocess.run([sys.executable, "-c", code, root, str(tmp_path / "ivf.pt"), str(tmp_path / "out.pt")],
+                   env=env, check=True, timeout=600)
+    path, scalar = torch.load(tmp_path / "out.pt")
+    assert path == "scalar"
+    assert_same(H.hamming_topk_ivf(*args, 50, backend="cpu"), scalar)
+    assert_same(scalar, H.hamming_topk_ivf(*args, 50, backend="torch"))
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
