@@ -81,19 +81,22 @@ def test_search_with_every_list_probed_equals_brute_force():
     assert torch.equal(ids, ref_ids)
 
 
-def test_probe_adds_lists_in_score_order_until_scan_rows():
+@pytest.mark.parametrize("nprobe,scan_rows", [(2, 500), (1, 1), (1, 90), (7, 300), (3, 1900), (2, 1999)])
+def test_probe_adds_lists_in_score_order_until_scan_rows(nprobe, scan_rows):
+    """Every query's lists: at least nprobe, then in score order until scan_rows rows (a partial sort of the
+    scores where the budget cannot reach every list, a full one where it can)."""
     w = clustered(2000, 32)
     index = AnnIndex(32, 64, nlist=20, seed=1, backend="torch")
     index.build(w)
     q = F.normalize(clustered(30, 32, seed=5), dim=1)
     sizes = (index.list_offsets[1:] - index.list_offsets[:-1]).tolist()
-    got = index.probe(q, nprobe=2, scan_rows=500)
+    got = index.probe(q, nprobe=nprobe, scan_rows=scan_rows)
     scores = q @ index.centroids.t()
     for i in range(30):
         order = torch.argsort(scores[i], descending=True).tolist()
         want, rows = [], 0
-        for j, lst in enumerate(order):  # reference: at least nprobe lists, then until 500 rows
-            if j >= 2 and rows >= 500:
+        for j, lst in enumerate(order):  # reference: at least nprobe lists, then until scan_rows rows
+            if j >= nprobe and rows >= scan_rows:
                 break
             want.append(lst)
             rows += sizes[lst]

@@ -228,7 +228,14 @@ class AnnIndex:
         sizes = self.list_offsets[1:] - self.list_offsets[:-1]  # (c,)
         if int(sizes.sum()) <= scan_rows:  # the whole shard is within budget: every list
             return torch.arange(c, device=scores.device).expand(scores.shape[0], c).contiguous()
-        order = torch.argsort(scores, dim=1, descending=True)  # (N, c)
+        # No query keeps more lists than nprobe or than the smallest lists whose sizes stay under the budget
+        # (rows before a list are at least the sum of that many smallest lists): only those are ranked.
+        smallest = torch.sort(sizes).values
+        width = max(nprobe, int(((torch.cumsum(smallest, 0) - smallest) < scan_rows).sum()))
+        if width < c:  # a partial sort: at 10^6 rows, ~100 of 1,000 lists
+            order = torch.topk(scores, width, dim=1).indices  # (N, width), best first
+        else:
+            order = torch.argsort(scores, dim=1, descending=True)  # (N, c)
         before = torch.cumsum(sizes[order], dim=1) - sizes[order]  # rows scanned before each list
         keep = before < scan_rows
         keep[:, :nprobe] = True
