@@ -32,6 +32,8 @@ def test_shapes_views_empty_and_integers():
     assert all_finite([torch.arange(10)])  # integer tensors hold no NaN/Inf
     big = torch.full((3,), 3.0e38)  # finite extremes, an overflowing sum: still finite
     assert all_finite([big, -big])
+    huge = torch.full((2,), 1e300, dtype=torch.float64)  # finite in float64, inf in float32: still finite
+    assert all_finite([huge, -huge, big]) and not all_finite([huge, torch.tensor([float("inf")])])
     z = torch.randn(9, dtype=torch.complex64)
     assert all_finite([z])
     z[4] = complex(0.0, float("inf"))

@@ -325,7 +325,7 @@ def all_finite(tensors) -> bool:
     for t in tensors:
         if t.numel() and (t.is_floating_point() or t.is_complex()):
             t = torch.view_as_real(t) if t.is_complex() else t
-            extremes.setdefault(t.device, []).extend(x.float() for x in torch.aminmax(t))
+            extremes.setdefault(t.device, []).extend(x.double() for x in torch.aminmax(t))  # exact for any float
     return all(bool(torch.isfinite(torch.stack(ext)).all()) for ext in extremes.values())
 
 
