@@ -249,7 +249,7 @@ def _step_table(args, steps, modes) -> list:
         heads = sorted({f"{m}: {r['head']}" for m in modes for r in runs[m] if r.get("head")})
         each = " / ".join(", ".join(f"{r['step_s']:.3f}" for r in runs[m]) for m in modes)
         speed = f"{med['flat'] / med['hierarchical']:.2f}x" if {"flat", "hierarchical"} <= set(modes) else "-"
-        whole = {m: statistics.median(r.get("run_s_per_step", r["step_s"]) for r in runs[m]) for m in modes}
+        whole = {m: statistics.median(r["run_s_per_step"] for r in runs[m]) for m in modes}
         whole_txt = " / ".join(f"{whole[m]:.3f}" for m in modes) + (
             f" ({whole['flat'] / whole['hierarchical']:.2f}x)" if {"flat", "hierarchical"} <= set(modes) else "")
         auto = f"{med['flat'] / med['auto']:.2f}x" if {"flat", "auto"} <= set(modes) else "-"

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from ds_xc.head.partition import shard_topk
-from tests.probe_ref import top1_hits, trained_weight
 from ds_xc.tune.probe import BLOCK, Z, paired_drop, probe_accuracy
+from tests.probe_ref import top1_hits, trained_weight
 
 C, D, B = 60, 12, 32
 

@@ -190,7 +190,7 @@ class XCEngine:
         bf16 optimizer's fp32 gradients (``get_grads_for_norm``) with bf16 + ZeRO 1 and fp32
         accumulation; ``.grad`` with gradient compression under ZeRO 1 (the local gradients, reduced in the step)."""
         head_grad = self.head.weight.grad
-        if head_grad is not None and not _finite(head_grad._values() if head_grad.is_sparse else head_grad):
+        if head_grad is not None and not all_finite([head_grad._values() if head_grad.is_sparse else head_grad]):
             return False
         opt = self.engine.optimizer
         if self.compression is not None and self.engine.zero_optimization_stage() == 1:  # local, reduced in step()
@@ -311,10 +311,6 @@ class XCEngine:
 
 
 # ---------------------------------------------------------------------- helpers
-def _finite(t: torch.Tensor) -> bool:
-    return all_finite([t])
-
-
 def all_finite(tensors) -> bool:
     """Whether every element of every tensor is finite, with one host sync per device.
 

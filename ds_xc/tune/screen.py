@@ -25,7 +25,7 @@ from ds_xc.head import ClassParallelHead, build_head_optimizer
 import torch.distributed as dist
 
 from ds_xc.parallel.groups import comm_device, is_distributed
-from ds_xc.tune.measure import release_free_memory
+from ds_xc.tune.measure import one_step, release_free_memory
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +43,7 @@ def pretrain_weight(section: dict, train_batch: Callable[[int], tuple], steps: i
     opt = build_head_optimizer(head, cheap["optimizer"])
     for i in range(steps):
         x, y = train_batch(i)
-        head(x.detach().requires_grad_(True), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        one_step(head, opt, x.detach().requires_grad_(True), y)
     weight = head.weight.detach().clone()
     del head, opt
     release_free_memory()
