@@ -210,7 +210,7 @@ def measure_link(group, solo, large_bytes: int = 1 << 24, rows: int = 128, chunk
 
     Bandwidth: the median of a few all-gathers of ``large_bytes`` (P - 1 steps of large_bytes / P).
     Latency: the fastest step of a real uniform head on ``group`` (``rows`` rows per rank in logits
-    chunks of ``chunk`` rows, ``local`` classes per rank: two all-reduces per chunk between the
+    chunks of ``chunk`` rows, ``local`` classes per rank: one all-gather per chunk between the
     chunks' matmuls, each chunk a few milliseconds of work as in a real head) less the fastest
     step of the same per-rank work on ``solo`` (no collectives) and less the bytes' time, over the
     step's ring steps (``step_collectives``). A loop of bare all-reduces is no estimate: on a shared

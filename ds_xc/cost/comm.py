@@ -13,14 +13,14 @@ name                kind            nbytes (whole buffer)    code
 input_check         all_reduce      40 P  ((P, 5) int64)     ClassParallelHead.check_batch
 gather_embeddings   all_gather      P B d e  (output)        collectives.all_gather_rows (forward)
 gather_labels       all_gather      8 P B                    collectives.all_gather_no_grad
-softmax_max         all_reduce      4 n, per chunk           softmax._chunk_step, red.max_
-softmax_sum         all_reduce      8 n, per chunk           softmax._chunk_step, red.sum_ (n, 2)
+softmax_stats       all_gather      12 P n, per chunk        softmax._chunk_step, red.gather (n, 3)
 scatter_grad        reduce_scatter  P B d e  (input)         collectives.all_gather_rows (backward)
 metrics_*           (several)       per 64-row chunk         sampling.metrics, every metrics_interval
 backbone_grads      all_reduce      4 x backbone params      the engine's dense data-parallel mean
 ==================  ==============  =======================  =====================================
 
-The softmax statistics run in float32 (float64 for a float64 head): 2 all-reduces per chunk,
+The softmax statistics run in float32 (float64 for a float64 head): one all-gather of
+[row max, sum-exp, target term] per chunk,
 chunks of ``chunk_size`` rows taken within each of the G sample groups. The input check's
 all-reduce runs when the sizes are not passed in (``sizes_known=False``) or a full check is due
 (``check_inputs``, every ``check_interval``-th call; ``count`` is then 1 / check_interval). The
@@ -186,8 +186,7 @@ def step_collectives(ds_config: dict, *, world_size: int, global_batch: Optional
                 Collective("gather_labels", "all_gather", p, p * rows * 8)]
         stat = 8 if head.dtype == "float64" else 4
         for n in _softmax_chunks(head, sizes, p):
-            out += [Collective("softmax_max", "all_reduce", p, stat * n),
-                    Collective("softmax_sum", "all_reduce", p, 2 * stat * n)]
+            out.append(Collective("softmax_stats", "all_gather", p, 3 * stat * n * p))
         out.append(Collective("scatter_grad", "reduce_scatter", p, p * rows * head.embedding_dim * e))
         every = getattr(head.sampler, "metrics_interval", 0)
         if include_metrics and every:

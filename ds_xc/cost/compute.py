@@ -24,7 +24,7 @@ Work per step (``head_work``), every formula in docs/tuning.md:
   in all; the k-means rebuild amortised over ``rebuild_interval``: iterations x 2 min(L, 64 c)
   c d' (training) + 2 L c d' (assignment) + 2 L d' b (codes);
 * communication (P > 1): the collectives of ds_xc/cost/comm.py's ``step_collectives`` (input
-  check, embedding and label gathers, two all-reduces per logits chunk, the gradient's
+  check, embedding and label gathers, one all-gather of row statistics per logits chunk, the gradient's
   reduce-scatter), each a ring of steps costing alpha + step bytes x s/byte.
 
 Time = sum of work x seconds-per-unit (``Constants``), plus a fixed per-step overhead of the

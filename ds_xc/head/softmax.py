@@ -4,10 +4,11 @@ Legend: N rows of the global batch, K active classes of this shard, d embedding 
 n rows of one chunk.
 
 Each rank holds K of the classes. For every chunk of rows it computes the chunk's logits
-(n, K), all-reduces the row max and then [sum-exp, target term] over the group, and,
-because the loss is the last operation of the graph, turns the logits buffer straight
-into d(loss)/d(logits) and multiplies it out into the gradients of the embeddings
-(N, d) and of the active weight rows (K, d). The (N, K) logits never exist at once
+(n, K), exponentiates them against its own row max, all-gathers [row max, sum-exp, target
+term] over the group (one collective per chunk, in flight while the chunk's M @ w product
+runs) and merges them (:func:`merge_row_stats`), and, because the loss is the last operation
+of the graph, turns the logits buffer straight into d(loss)/d(logits) and multiplies it out
+into the gradients of the embeddings (N, d) and of the active weight rows (K, d). The (N, K) logits never exist at once
 (Cut Cross-Entropy and Liger's fused linear cross entropy do the same in one process);
 backward only rescales the stored gradients by ``grad_output``.
 
@@ -27,15 +28,20 @@ import torch
 import torch.distributed as dist
 
 from ds_xc.head.margins import TargetLoss
-from ds_xc.parallel.groups import is_distributed
+from ds_xc.parallel import collectives
+from ds_xc.parallel.groups import group_size, is_distributed
 
-__all__ = ["sharded_margin_loss", "fused_loss_and_grads", "finish_weight_grad", "inverse_row_norms", "Reducer"]
+__all__ = ["sharded_margin_loss", "fused_loss_and_grads", "finish_weight_grad", "inverse_row_norms", "Reducer",
+           "merge_row_stats"]
 
 _EPS = 1e-12
 
 
 class Reducer:
-    """All-reduces over ``group`` (no-ops with one rank). In place, returns the tensor."""
+    """Collectives of the softmax statistics over ``group`` (no-ops with one rank).
+
+    ``max_`` / ``sum_`` all-reduce in place; :meth:`gather` all-gathers a (n, c) block of row
+    statistics into (P, n, c), asynchronously when asked (``.result()`` waits)."""
 
     def __init__(self, group=None):
         self.group = group
@@ -51,73 +57,143 @@ class Reducer:
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return t
 
+    def gather(self, t: torch.Tensor, async_op: bool = False) -> "_Gathered":
+        if not self.active:
+            return _Gathered(t.unsqueeze(0), None)
+        t = t.contiguous()
+        p = group_size(self.group)
+        out = torch.empty((p * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)  # (P n, c)
+        work = collectives.gather_flat(out, t, group=self.group, async_op=async_op)
+        return _Gathered(out.view((p,) + tuple(t.shape)), work)  # (P, n, c)
+
+
+class _Gathered:
+    """An all-gather's output and its pending work (None: done)."""
+
+    def __init__(self, out: torch.Tensor, work):
+        self.out, self.work = out, work
+
+    def result(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.out
+
 
 def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
     """Softmax statistics run in at least float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _chunk_step(x, w, rw, t, loss: TargetLoss, red: Reducer, need_grad: bool, buf: torch.Tensor):
+def merge_row_stats(stats: torch.Tensor, separate_target: bool):
+    """Merge every rank's row statistics into the global ones (the same bits on every rank).
+
+    stats (P, n, 3): per rank [row max m_r, sum of exp(logit - m_r) over its classes, target
+    term (non-zero on the one rank that holds the row's target)], in rank order. Returns
+    (m (n,), sumexp (n,), target (n,)) with sumexp relative to the global max m; for
+    D-Softmax (``separate_target``) m >= 0 and sumexp includes the "1 +" term exp(-m).
+    One all-gather per chunk instead of a MAX and then a SUM all-reduce: the local sums are
+    taken against the local max and rescaled here (the online-softmax merge)."""
+    m_all = stats[..., 0]  # (P, n)
+    m = m_all.amax(dim=0)
+    if separate_target:
+        m = m.clamp_min(0.0)  # the "1 +" term of D-Softmax is logit 0
+    scale = torch.where(m_all > float("-inf"), torch.exp(m_all - m), torch.zeros_like(m_all))  # (P, n)
+    sumexp = (stats[..., 1] * scale).sum(dim=0)
+    if separate_target:
+        sumexp = sumexp + torch.exp(-m)
+    return m, sumexp, stats[..., 2].sum(dim=0)
+
+
+class _Local:
+    """One chunk's local pass: e (n, K) = exp(logit - m_loc) in the logits buffer, its row
+    statistics (n, 3) to merge, and what the gradient needs of the target column."""
+
+    def __init__(self, x, w, rw, t, loss: TargetLoss, buf: torch.Tensor):
+        sd = buf.dtype
+        if loss.normalised:
+            rx = 1.0 / x.to(sd).norm(dim=1).clamp_min(_EPS)  # (n,)
+            self.xs = x.to(sd) * rx[:, None]  # (n, d) normalised rows
+            _mm(self.xs * loss.scale, w, buf)  # (n, K) = s * x/|x| . w
+            logits = buf.mul_(rw[None, :])  # s * cos
+        else:
+            self.xs = x
+            logits = _mm(x, w, buf)
+        self.has_t = t >= 0
+        self.tt = torch.where(self.has_t, t, torch.zeros_like(t))[:, None]  # (n, 1)
+        zero = torch.zeros((), dtype=sd, device=x.device)
+        at_t = logits.gather(1, self.tt).squeeze(1)  # (n,)
+        self.c_t = torch.where(self.has_t, at_t / loss.scale, zero)  # target cosine / raw logit
+        if loss.separate_target:  # D-Softmax: the target leaves the partition function
+            logits.scatter_(1, self.tt, torch.where(self.has_t, float("-inf"), at_t)[:, None])
+            m = _row_max(logits).clamp_min_(0.0)  # (n,); >= 0 keeps exp finite with no class but the target
+            target = self.c_t
+            self.dz_t = None
+        else:
+            z_t, self.dz_t = loss.target_logit(self.c_t)
+            z_t = torch.where(self.has_t, z_t, at_t)
+            logits.scatter_(1, self.tt, z_t[:, None])
+            m = _row_max(logits)  # (n,)
+            target = torch.where(self.has_t, z_t, zero)
+        self.e = logits.sub_(m[:, None]).exp_()  # (n, K) unnormalised probabilities, in the buffer
+        self.stats = torch.stack([m, self.e.sum(dim=1), target], 1)  # (n, 3)
+
+    def factor(self, loss: TargetLoss, rw) -> None:
+        """Turn e into the gradient's off-target part in factored form (times inv per row, see
+        :func:`_chunk_step`): the target column set to 0 (its term is added separately, so no
+        entry ever holds a value divided by this rank's tiny share of a row's mass) and, for
+        cosine losses, every column times s * rw. Keeps e at the target in ``e_t``."""
+        self.e_t = self.e.gather(1, self.tt).squeeze(1)  # (n,)
+        self.e.scatter_(1, self.tt, torch.where(self.has_t, 0.0, self.e_t)[:, None])
+        if loss.normalised:
+            self.e.mul_((loss.scale * rw)[None, :])
+
+
+def _row_max(logits: torch.Tensor) -> torch.Tensor:
+    """(n,) row max of (n, K) logits; -inf for a shard without active classes."""
+    if logits.shape[1] == 0:
+        return torch.full((logits.shape[0],), float("-inf"), dtype=logits.dtype, device=logits.device)
+    return logits.amax(dim=1)
+
+
+def _chunk_step(x, w, rw, t, loss: TargetLoss, red: Reducer, need_grad: bool, need_gx: bool, buf: torch.Tensor):
     """Loss rows of one chunk and, if asked, its gradient in factored form.
 
     x (n, d) chunk rows; w (K, d) active weights; rw (K,) inverse row norms (cosine losses)
     or None; t (n,) target column in [0, K) or -1 when the target lives elsewhere; buf
     (n, K) scratch for the logits, reused across chunks.
 
-    Returns (loss (n,), M (n, K) or None, inv (n,), xs (n, d)). The gradient of the summed
-    loss rows with respect to the cosines (raw logits for plain softmax), times rw per
-    column for cosine losses, is ``inv[:, None] * M``: the softmax's row normalisation is
-    kept out of the (n, K) buffer and applied to the small (n, d) products instead. ``xs``
-    is the chunk's normalised rows (cosine losses) or the chunk itself.
+    Returns (loss (n,), M (n, K) or None, inv (n,), xs (n, d), gt (n,), ew (n, d) or None).
+    The gradient of the summed loss rows with respect to the raw dot products xs . w_j is
+    ``inv[:, None] * M`` off the target column and ``gt`` at it (M is 0 there): the softmax's
+    row normalisation stays out of the (n, K) buffer. ``ew`` = M @ w (need_gx), computed
+    while the statistics' all-gather is in flight. ``xs`` is the chunk's normalised rows
+    (cosine losses) or the chunk itself.
     """
-    sd = buf.dtype
-    if loss.normalised:
-        rx = 1.0 / x.to(sd).norm(dim=1).clamp_min(_EPS)  # (n,)
-        xs = x.to(sd) * rx[:, None]  # (n, d) normalised rows
-        _mm(xs * loss.scale, w, buf)  # (n, K) = s * x/|x| . w
-        logits = buf.mul_(rw[None, :])  # s * cos
-    else:
-        xs = x
-        logits = _mm(x, w, buf)
-    has_t = t >= 0
-    tt = torch.where(has_t, t, torch.zeros_like(t))[:, None]  # (n, 1)
-    zero = torch.zeros((), dtype=sd, device=x.device)
-    c_t = torch.where(has_t, logits.gather(1, tt).squeeze(1) / loss.scale, zero)  # target cosine / raw logit
-
-    if loss.separate_target:  # D-Softmax: the target leaves the partition function
-        logits.scatter_(1, tt, torch.where(has_t, float("-inf"), logits.gather(1, tt).squeeze(1))[:, None])
-        m = red.max_(logits.amax(dim=1)).clamp_min_(0.0)  # the "1 +" term is logit 0
-    else:
-        z_t, dz_t = loss.target_logit(c_t)
-        z_t = torch.where(has_t, z_t, logits.gather(1, tt).squeeze(1))
-        logits.scatter_(1, tt, z_t[:, None])
-        m = red.max_(logits.amax(dim=1))  # (n,)
-
-    e = logits.sub_(m[:, None]).exp_()  # (n, K) unnormalised probabilities, in the buffer
-    stats = torch.stack([e.sum(dim=1), c_t if loss.separate_target else torch.where(has_t, z_t, zero)], 1)
-    red.sum_(stats)  # (n, 2): sum-exp over all classes, target term (lives on exactly one rank)
-    sumexp, target = stats[:, 0], stats[:, 1]
+    loc = _Local(x, w, rw, t, loss, buf)
+    pending = red.gather(loc.stats, async_op=True)  # (P, n, 3)
+    ew = None
+    if need_grad:
+        loc.factor(loss, rw)
+        if need_gx:
+            ew = _mm_rows(loc.e, w)  # (n, d), overlapping the all-gather
+    m, sumexp, target = merge_row_stats(pending.result(), loss.separate_target)
     if loss.separate_target:
-        sumexp = sumexp + torch.exp(-m)
         intra, d_intra = loss.target_term(target)
         rows = m + torch.log(sumexp) + intra
     else:
         rows = m + torch.log(sumexp) - target
     if not need_grad:
-        return rows, None, None, xs
-
-    inv = 1.0 / sumexp  # (n,)
-    # off the target: d rows / d logit = e * inv, and d logit / d cos = s
+        return rows, None, None, loc.xs, None, None
+    inv = torch.exp(loc.stats[:, 0] - m) / sumexp  # (n,): this rank's share of the row's mass / e
     if loss.separate_target:
         g_t = d_intra
     else:
-        g_t = (e.gather(1, tt).squeeze(1) * inv - 1.0) * dz_t
+        g_t = (loc.e_t * inv - 1.0) * loc.dz_t  # d row / d c_t
     if loss.normalised:
-        e.mul_((loss.scale * rw)[None, :])
-        g_t = g_t * rw[tt.squeeze(1)]
-    # the target entry in the same units: M = g / inv
-    e.scatter_(1, tt, torch.where(has_t, g_t * sumexp, e.gather(1, tt).squeeze(1))[:, None])
-    return rows, e, inv, xs
+        g_t = g_t * rw[loc.tt.squeeze(1)]
+    g_t = torch.where(loc.has_t, g_t, torch.zeros_like(g_t))
+    return rows, loc.e, inv, loc.xs, g_t, ew
 
 
 _MM_ROWS = 1 << 14  # weight rows per float32 block of a low-precision logits matmul on CPU
@@ -219,20 +295,24 @@ def fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor
     step = chunk_size if chunk_size > 0 else max(n_rows, 1)
     buf = torch.empty((min(step, n_rows), k), dtype=sd, device=x.device)  # (n, K), one for all chunks
     for a in range(0, n_rows, step):
-        xc = xw[a: a + step]
-        rows, m, inv, xs = _chunk_step(xc, w, rw, targets[a: a + step], loss, red, need_grad,
-                                       buf[: xc.shape[0]])
+        xc, tc = xw[a: a + step], targets[a: a + step]
+        rows, m, inv, xs, g_t, ew = _chunk_step(xc, w, rw, tc, loss, red, need_grad, need_gx, buf[: xc.shape[0]])
         total += rows.sum()
         if m is None:
             continue
+        own = (tc >= 0).nonzero().squeeze(1)  # rows whose target is on this rank
+        tcol = tc.index_select(0, own)
         if need_gx:
-            gxs = _mm_rows(m, w) * inv[:, None]  # (n, d): d/d(xs)
+            gxs = ew * inv[:, None]  # (n, d): d/d(xs)
+            gxs.index_add_(0, own, g_t.index_select(0, own)[:, None] * w.index_select(0, tcol).to(sd))
             if loss.normalised:  # through x/|x|: remove the radial part, divide by |x|
                 radial = (gxs * xs).sum(dim=1, keepdim=True)
                 gxs = (gxs - xs * radial) * (1.0 / xc.to(sd).norm(dim=1).clamp_min(_EPS))[:, None]
             gx[a: a + step] = gxs
         if need_gw:
-            _accumulate(gw, m, xs.to(sd) * inv[:, None], first=a == 0 and not accumulate)
+            xs_sd = xs.to(sd)
+            _accumulate(gw, m, xs_sd * inv[:, None], first=a == 0 and not accumulate)
+            gw.index_add_(0, tcol, g_t.index_select(0, own)[:, None] * xs_sd.index_select(0, own))
     if need_gw and n_rows == 0 and not accumulate:
         gw.zero_()
     if need_gw and finish:

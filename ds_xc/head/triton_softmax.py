@@ -33,7 +33,7 @@ import torch
 
 from ds_xc.head.margins import TargetLoss
 from ds_xc_ops.triton_util import interpreting
-from ds_xc.head.softmax import Reducer, finish_weight_grad, inverse_row_norms
+from ds_xc.head.softmax import Reducer, finish_weight_grad, inverse_row_norms, merge_row_stats
 
 __all__ = ["triton_fused_loss_and_grads", "TileConfig", "default_tiles", "gpu_tiles", "SUPPORTED_DTYPES"]
 
@@ -203,24 +203,19 @@ def _prepare(x, w, targets, loss: TargetLoss, rw) -> _Rows:
 
 
 def _combine(m_loc, l_loc, r: _Rows, loss: TargetLoss, red: Reducer):
-    """Class-parallel merge of the local row stats, as the PyTorch path: all-reduce MAX of the
-    row max, then SUM of [rescaled sum-exp, target term]. Returns (rows (N,), lse (N,),
-    gt (N,)): the loss rows, the log partition function and d row / d c at the target."""
+    """Class-parallel merge of the local row stats, as the PyTorch path: one all-gather of
+    [row max, sum-exp against it, target term], merged by :func:`merge_row_stats`. Returns
+    (rows (N,), lse (N,), gt (N,)): the loss rows, the log partition function and d row / d c
+    at the target."""
     zero = torch.zeros((), dtype=torch.float32, device=m_loc.device)
-    m = red.max_(m_loc.clone())
+    target = r.c_t if loss.separate_target else torch.where(r.has_t, r.zt, zero)
+    local = torch.stack([m_loc, l_loc, target.to(m_loc.dtype)], 1)  # (N, 3)
+    m, sumexp, target = merge_row_stats(red.gather(local).result(), loss.separate_target)
+    lse = m + torch.log(sumexp)
     if loss.separate_target:
-        m = m.clamp_min_(0.0)  # the "1 +" term of D-Softmax is logit 0
-    local = torch.where(l_loc > 0, l_loc * torch.exp(m_loc - m), zero)
-    stats = torch.stack([local, r.c_t if loss.separate_target else torch.where(r.has_t, r.zt, zero)], 1)
-    red.sum_(stats)  # (N, 2): sum-exp over all classes, target term (lives on exactly one rank)
-    sumexp, target = stats[:, 0], stats[:, 1]
-    if loss.separate_target:
-        sumexp = sumexp + torch.exp(-m)
         intra, gt = loss.target_term(target)
-        lse = m + torch.log(sumexp)
         rows = lse + intra
     else:
-        lse = m + torch.log(sumexp)
         rows = lse - target
         gt = (torch.exp(r.zt - lse) - 1.0) * r.dz_t  # (N,)
     gt = torch.where(r.has_t, gt, zero).float().contiguous()
