@@ -35,6 +35,7 @@ namespace {
 
 using Stale = std::vector<std::pair<int64_t, int64_t>>;  // (row, skipped steps)
 constexpr int64_t kGrain = 256;  // rows per task of parallel_for
+constexpr int64_t kPrefetch = 4;  // rows ahead that the loops prefetch
 
 namespace plain {
 constexpr bool kFused = false;
