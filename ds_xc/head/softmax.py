@@ -256,7 +256,8 @@ def finish_weight_grad(gw: torch.Tensor, w: torch.Tensor, rw: Optional[torch.Ten
 def fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, loss: TargetLoss,
                          group=None, chunk_size: int = 0, need_gx: bool = True, need_gw: bool = True, *,
                          rw: Optional[torch.Tensor] = None, gw: Optional[torch.Tensor] = None,
-                         accumulate: bool = False, finish: bool = True, backend: str = "torch"):
+                         accumulate: bool = False, finish: bool = True, backend: str = "torch",
+                         workspace=None):
     """Sum of the N loss rows and its gradients, in one pass over row chunks (no autograd).
 
     x (N, d), w (K, d), targets (N,) as for :func:`sharded_margin_loss`. Returns
@@ -270,6 +271,9 @@ def fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor
     once), ``gw`` a (K, d) buffer that the call overwrites or, with ``accumulate``, adds
     to, and ``finish=False`` to leave the cosine normalisation's backward to one
     :func:`finish_weight_grad` at the end.
+
+    ``workspace`` (:class:`ds_xc.head.workspace.Workspace`): where the (n, K) logits scratch comes
+    from (kept between calls when small), else a fresh buffer.
 
     ``backend`` (``extreme_classification.softmax_backend``): "torch" runs the code below;
     "triton" or "auto" may hand the call to the fused Triton kernels (ds_xc/head/softmax_backend.py).
@@ -293,7 +297,9 @@ def fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor
         gw = torch.empty((k, w.shape[1]), dtype=sd, device=w.device)  # (K, d)
     total = torch.zeros((), dtype=sd, device=x.device)
     step = chunk_size if chunk_size > 0 else max(n_rows, 1)
-    buf = torch.empty((min(step, n_rows), k), dtype=sd, device=x.device)  # (n, K), one for all chunks
+    shape = (min(step, n_rows), k)
+    buf = torch.empty(shape, dtype=sd, device=x.device) if workspace is None \
+        else workspace.buffer("logits", shape, sd, x.device)  # (n, K), one for all chunks
     for a in range(0, n_rows, step):
         xc, tc = xw[a: a + step], targets[a: a + step]
         rows, m, inv, xs, g_t, ew = _chunk_step(xc, w, rw, tc, loss, red, need_grad, need_gx, buf[: xc.shape[0]])
@@ -325,9 +331,10 @@ class _ShardedMarginLoss(torch.autograd.Function):
     backward: the stored gradients times grad_output."""
 
     @staticmethod
-    def forward(ctx, x, w, targets, loss, group, chunk_size, backend="torch"):
+    def forward(ctx, x, w, targets, loss, group, chunk_size, backend="torch", workspace=None):
         total, gx, gw = fused_loss_and_grads(x, w, targets, loss, group, chunk_size,
-                                             ctx.needs_input_grad[0], ctx.needs_input_grad[1], backend=backend)
+                                             ctx.needs_input_grad[0], ctx.needs_input_grad[1], backend=backend,
+                                             workspace=workspace)
         ctx.grads = (gx, gw)
         ctx.n_rows = max(x.shape[0], 1)
         ctx.dtypes = (x.dtype, w.dtype)
@@ -345,7 +352,7 @@ class _ShardedMarginLoss(torch.autograd.Function):
             gx = gx.mul_(scale).to(ctx.dtypes[0])
         if gw is not None:
             gw = gw.mul_(scale).to(ctx.dtypes[1])
-        return gx, gw, None, None, None, None, None
+        return gx, gw, None, None, None, None, None, None
 
 
 def _mm_rows(m: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -356,17 +363,17 @@ def _mm_rows(m: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def sharded_margin_loss(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, loss: TargetLoss,
-                        group=None, chunk_size: int = 0, backend: str = "torch") -> torch.Tensor:
+                        group=None, chunk_size: int = 0, backend: str = "torch", workspace=None) -> torch.Tensor:
     """Mean loss over the rows of ``x`` for classes sharded over ``group``.
 
     x (N, d): the global batch (identical on every rank); w (K, d): this rank's active
     class rows; targets (N,): column of each row's class in ``w``, or -1 where the class
     is on another rank. Every class of the batch must be active on exactly one rank.
     Gradients follow the loss value (the global mean); ``chunk_size`` rows per chunk (0: all);
-    ``backend``: "torch" | "triton" | "auto", as for :func:`fused_loss_and_grads`.
+    ``backend``: "torch" | "triton" | "auto" and ``workspace``, as for :func:`fused_loss_and_grads`.
     """
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"expected x (N, d) and w (K, d) with equal d, got {tuple(x.shape)} and {tuple(w.shape)}")
     if targets.shape != (x.shape[0],):
         raise ValueError(f"targets must have shape ({x.shape[0]},), got {tuple(targets.shape)}")
-    return _ShardedMarginLoss.apply(x, w, targets, loss, group, int(chunk_size), backend)
+    return _ShardedMarginLoss.apply(x, w, targets, loss, group, int(chunk_size), backend, workspace)
