@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from ds_xc.sampling.ann.codes import encode, encode_with_margins, itq_projection, random_projection
 from ds_xc.sampling.ann.ivf import assign, build_lists, kmeans_sample, spherical_kmeans
+from ds_xc_ops import rows as native_rows
 from ds_xc_ops.hamming import hamming_topk_ivf
 
 log = logging.getLogger(__name__)
@@ -297,9 +298,9 @@ def exact_cosine_rerank(queries: torch.Tensor, weight: torch.Tensor, candidates:
     queries (N, d); keep k.
 
     The candidate rows are gathered ``chunk`` queries at a time into one reused buffer
-    (index_select into it): the gather of N R random rows is most of the cost, and a fresh
-    (chunk, R, d) tensor per chunk costs page faults on top of it (a 2-3x slower re-rank
-    measured at chunk 128 with advanced indexing).
+    (``ds_xc_ops.rows.gather_rows``, rows prefetched ahead): the gather of N R random rows is most
+    of the cost, and a fresh (chunk, R, d) tensor per chunk costs page faults on top of it (a 2-3x
+    slower re-rank measured at chunk 128 with advanced indexing).
     """
     n_rows, r = candidates.shape
     out = torch.full((n_rows, k), -1, dtype=torch.int64, device=candidates.device)
@@ -309,7 +310,7 @@ def exact_cosine_rerank(queries: torch.Tensor, weight: torch.Tensor, candidates:
         cand = candidates[a: a + chunk]  # (n, R)
         valid = cand >= 0
         flat = cand.clamp_min(0).reshape(-1)  # (n R,)
-        w = torch.index_select(w_all, 0, flat, out=buf[: flat.numel()]).view(cand.shape[0], r, -1).float()
+        w = native_rows.gather_rows(w_all, flat, buf[: flat.numel()]).view(cand.shape[0], r, -1).float()
         score = torch.bmm(w, queries[a: a + chunk].float().unsqueeze(2)).squeeze(2)  # (n, R)
         if metric == "cosine":  # divide by the row norms rather than write a normalised copy of w
             score = score / torch.linalg.vector_norm(w, dim=2).clamp_min(1e-12)
