@@ -109,13 +109,17 @@ class _Local:
     """One chunk's local pass: e (n, K) = exp(logit - m_loc) in the logits buffer, its row
     statistics (n, 3) to merge, and what the gradient needs of the target column."""
 
-    def __init__(self, x, w, rw, t, loss: TargetLoss, buf: torch.Tensor):
+    def __init__(self, x, w, rw, t, loss: TargetLoss, buf: torch.Tensor, folded=None):
         sd = buf.dtype
+        self.folded = folded is not None
         if loss.normalised:
             rx = 1.0 / x.to(sd).norm(dim=1).clamp_min(_EPS)  # (n,)
             self.xs = x.to(sd) * rx[:, None]  # (n, d) normalised rows
-            _mm(self.xs * loss.scale, w, buf)  # (n, K) = s * x/|x| . w
-            logits = buf.mul_(rw[None, :])  # s * cos
+            if self.folded:  # folded (K, d) = w * s / |w|: no pass over the (n, K) buffer
+                logits = _mm(self.xs, folded, buf)  # (n, K) = s * cos
+            else:
+                _mm(self.xs * loss.scale, w, buf)  # (n, K) = s * x/|x| . w
+                logits = buf.mul_(rw[None, :])  # s * cos
         else:
             self.xs = x
             logits = _mm(x, w, buf)
@@ -145,7 +149,7 @@ class _Local:
         cosine losses, every column times s * rw. Keeps e at the target in ``e_t``."""
         self.e_t = self.e.gather(1, self.tt).squeeze(1)  # (n,)
         self.e.scatter_(1, self.tt, torch.where(self.has_t, 0.0, self.e_t)[:, None])
-        if loss.normalised:
+        if loss.normalised and not self.folded:  # folded: the column factors live in the folded rows
             self.e.mul_((loss.scale * rw)[None, :])
 
 
@@ -156,7 +160,8 @@ def _row_max(logits: torch.Tensor) -> torch.Tensor:
     return logits.amax(dim=1)
 
 
-def _chunk_step(x, w, rw, t, loss: TargetLoss, red: Reducer, need_grad: bool, need_gx: bool, buf: torch.Tensor):
+def _chunk_step(x, w, rw, t, loss: TargetLoss, red: Reducer, need_grad: bool, need_gx: bool, buf: torch.Tensor,
+                folded=None):
     """Loss rows of one chunk and, if asked, its gradient in factored form.
 
     x (n, d) chunk rows; w (K, d) active weights; rw (K,) inverse row norms (cosine losses)
@@ -168,15 +173,16 @@ def _chunk_step(x, w, rw, t, loss: TargetLoss, red: Reducer, need_grad: bool, ne
     ``inv[:, None] * M`` off the target column and ``gt`` at it (M is 0 there): the softmax's
     row normalisation stays out of the (n, K) buffer. ``ew`` = M @ w (need_gx), computed
     while the statistics' all-gather is in flight. ``xs`` is the chunk's normalised rows
-    (cosine losses) or the chunk itself.
+    (cosine losses) or the chunk itself. With ``folded`` (K, d) = w * s rw (cosine losses), M
+    leaves out the column factors s rw_j (ew = M @ folded carries them; the caller scales dW).
     """
-    loc = _Local(x, w, rw, t, loss, buf)
+    loc = _Local(x, w, rw, t, loss, buf, folded)
     pending = red.gather(loc.stats, async_op=True)  # (P, n, 3)
     ew = None
     if need_grad:
         loc.factor(loss, rw)
         if need_gx:
-            ew = _mm_rows(loc.e, w)  # (n, d), overlapping the all-gather
+            ew = _mm_rows(loc.e, w if folded is None else folded)  # (n, d), overlapping the all-gather
     m, sumexp, target = merge_row_stats(pending.result(), loss.separate_target)
     if loss.separate_target:
         intra, d_intra = loss.target_term(target)
@@ -264,7 +270,7 @@ def fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor
     (total: scalar sum of the rows, gx (N, d) or None, gw (K, d) or None), in the
     statistics dtype: the gradients of ``total`` itself (divide by N for the mean).
     Every rank of ``group`` must call it with the same N (the softmax statistics are
-    all-reduced per chunk).
+    all-gathered per chunk).
 
     The overlap schedule (ds_xc/overlap) calls it once per micro-chunk with the same
     weights, so the O(K d) work is hoisted: ``rw`` (:func:`inverse_row_norms`, computed
@@ -273,7 +279,9 @@ def fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor
     :func:`finish_weight_grad` at the end.
 
     ``workspace`` (:class:`ds_xc.head.workspace.Workspace`): where the (n, K) logits scratch comes
-    from (kept between calls when small), else a fresh buffer.
+    from (kept between calls when small), else a fresh buffer. Cosine losses whose (K, d) rows the
+    workspace keeps also get them with the factors s / |w_j| folded in, once per call: the logits
+    and M @ w then need no pass over the (n, K) buffer for them (dW takes them once at the end).
 
     ``backend`` (``extreme_classification.softmax_backend``): "torch" runs the code below;
     "triton" or "auto" may hand the call to the fused Triton kernels (ds_xc/head/softmax_backend.py).
@@ -295,14 +303,35 @@ def fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor
     gx = torch.empty(x.shape, dtype=sd, device=x.device) if need_gx else None  # (N, d)
     if need_gw and gw is None:
         gw = torch.empty((k, w.shape[1]), dtype=sd, device=w.device)  # (K, d)
-    total = torch.zeros((), dtype=sd, device=x.device)
     step = chunk_size if chunk_size > 0 else max(n_rows, 1)
     shape = (min(step, n_rows), k)
     buf = torch.empty(shape, dtype=sd, device=x.device) if workspace is None \
         else workspace.buffer("logits", shape, sd, x.device)  # (n, K), one for all chunks
+    folded = None
+    if loss.normalised and need_grad and not accumulate and w.dtype == sd and workspace is not None \
+            and workspace.keeps((k, w.shape[1]), sd):  # the cosine's column factors folded into W once
+        folded = torch.mul(w, (loss.scale * rw)[:, None], out=workspace.buffer("folded", (k, w.shape[1]), sd,
+                                                                                 w.device))  # (K, d)
+    total = _run_chunks(xw, w, rw, targets, loss, red, step, buf, folded, gx, gw, need_gx, need_gw, accumulate)
+    if need_gw and n_rows == 0 and not accumulate:
+        gw.zero_()
+    if need_gw and finish:
+        finish_weight_grad(gw, w, rw, loss)
+    return total, gx, gw
+
+
+def _run_chunks(xw, w, rw, targets, loss: TargetLoss, red: Reducer, step: int, buf, folded, gx, gw,
+                need_gx: bool, need_gw: bool, accumulate: bool) -> torch.Tensor:
+    """The chunk loop of :func:`fused_loss_and_grads`: returns the summed loss rows, writes gx (N, d)
+    and accumulates gw (K, d) (scaled by the folded column factors at the end)."""
+    sd = buf.dtype
+    total = torch.zeros((), dtype=sd, device=xw.device)
+    targets_gw = []  # folded: the target terms of dW, added once dW has its column factors
+    n_rows = xw.shape[0]
     for a in range(0, n_rows, step):
         xc, tc = xw[a: a + step], targets[a: a + step]
-        rows, m, inv, xs, g_t, ew = _chunk_step(xc, w, rw, tc, loss, red, need_grad, need_gx, buf[: xc.shape[0]])
+        rows, m, inv, xs, g_t, ew = _chunk_step(xc, w, rw, tc, loss, red, need_gx or need_gw, need_gx,
+                                                buf[: xc.shape[0]], folded)
         total += rows.sum()
         if m is None:
             continue
@@ -318,12 +347,16 @@ def fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor
         if need_gw:
             xs_sd = xs.to(sd)
             _accumulate(gw, m, xs_sd * inv[:, None], first=a == 0 and not accumulate)
-            gw.index_add_(0, tcol, g_t.index_select(0, own)[:, None] * xs_sd.index_select(0, own))
-    if need_gw and n_rows == 0 and not accumulate:
-        gw.zero_()
-    if need_gw and finish:
-        finish_weight_grad(gw, w, rw, loss)
-    return total, gx, gw
+            t_rows = g_t.index_select(0, own)[:, None] * xs_sd.index_select(0, own)  # (n_own, d)
+            if folded is None:
+                gw.index_add_(0, tcol, t_rows)
+            else:
+                targets_gw.append((tcol, t_rows))
+    if folded is not None and need_gw and n_rows:
+        gw.mul_((loss.scale * rw)[:, None])
+        for tcol, t_rows in targets_gw:
+            gw.index_add_(0, tcol, t_rows)
+    return total
 
 
 class _ShardedMarginLoss(torch.autograd.Function):

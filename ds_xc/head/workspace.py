@@ -49,6 +49,13 @@ class Workspace:
         self._kept[name] = kept
         return kept.view(shape)
 
+    def keeps(self, shape: tuple, dtype: torch.dtype) -> bool:
+        """Whether a buffer of ``shape`` and ``dtype`` would be kept (at most ``keep_bytes``)."""
+        numel = 1
+        for s in shape:
+            numel *= int(s)
+        return numel * torch.empty((), dtype=dtype).element_size() <= self.keep_bytes
+
     def clear(self) -> None:
         """Free every kept buffer (e.g. before a memory-hungry phase)."""
         self._kept.clear()
