@@ -32,7 +32,7 @@ from ds_xc_ops.hamming_torch import topk_ivf_torch
 from ds_xc_ops.logs import log_once
 from ds_xc_ops.triton_util import triton_unusable_reason
 
-__all__ = ["hamming_topk_ivf", "hamming_topk_flat", "pack_signs", "unpack_bits",
+__all__ = ["hamming_topk_ivf", "hamming_topk_flat", "pack_signs", "pack_signs_min_abs", "unpack_bits",
            "available_backends", "BACKENDS", "CUDA_MAX_K", "TRITON_MAX_K"]
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,20 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
     for j in range(8):  # bit j of each byte; uint8 ops keep memory at n * bits bytes
         out |= b[:, :, j] << j
     return out
+
+
+def pack_signs_min_abs(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pack_signs(z), z.abs().amin(dim=1)) of projections z (n, bits): the codes and each row's
+    smallest |projection| (how far it is from flipping a bit), in one pass of the CPU op for a
+    contiguous float32 CPU tensor (``DS_XC_HAMMING_SIMD=0``: its scalar loop), else torch ops.
+    The same values either way (NaN: bit 0, min NaN)."""
+    if z.dim() == 2 and z.dtype == torch.float32 and z.device.type == "cpu" and z.is_contiguous() \
+            and z.shape[1] % 8 == 0:
+        op = _cpu_op()
+        if op is not None:
+            codes, min_abs = op.pack_signs_min_abs(z)
+            return codes, min_abs
+    return pack_signs(z), z.abs().amin(dim=1)
 
 
 def unpack_bits(codes: torch.Tensor, dtype: torch.dtype = torch.uint8) -> torch.Tensor:

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from ds_xc_ops.hamming import pack_signs
+from ds_xc_ops.hamming import pack_signs, pack_signs_min_abs
 
 __all__ = ["random_projection", "itq_projection", "encode", "encode_with_margins", "pack"]
 
@@ -62,7 +62,10 @@ def pack(v: torch.Tensor) -> torch.Tensor:
 
     The 8 booleans of each output byte are read as one int64 (a bool is one byte of 0 or
     1) and gathered into its top byte by one multiplication (wrapping), no per-bit passes.
+    A contiguous float32 CPU tensor goes to the one-pass CPU op instead.
     """
+    if v.dtype == torch.float32 and v.device.type == "cpu":
+        return pack_signs_min_abs(v.contiguous())[0]
     if sys.byteorder != "little":  # the trick reads bytes in little-endian order
         return pack_signs(v)
     n, bits = v.shape
@@ -90,5 +93,6 @@ def encode_with_margins(x: torch.Tensor, projection: torch.Tensor) -> tuple[torc
     in units of the column norms of P (see AnnIndex.refresh for how it bounds a code change)."""
     z = x.float() @ projection.to(x.device)  # (n, b)
     norms = torch.linalg.vector_norm(x.float(), dim=1)  # (n,)
-    margins = z.abs().amin(dim=1) / norms.clamp_min(torch.finfo(torch.float32).tiny)
-    return pack(z), torch.where(norms > 0, margins, torch.zeros_like(margins))
+    codes, min_abs = pack_signs_min_abs(z) if z.device.type == "cpu" else (pack(z), z.abs().amin(dim=1))
+    margins = min_abs / norms.clamp_min(torch.finfo(torch.float32).tiny)
+    return codes, torch.where(norms > 0, margins, torch.zeros_like(margins))

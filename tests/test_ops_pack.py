@@ -1,0 +1,73 @@
+"""ds_xc_ops.hamming.pack_signs_min_abs: the CPU op's one-pass sign codes and smallest |projection|
+against the torch definitions (pack_signs, abs().amin), on its vector and scalar paths."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ds_xc_ops import builders
+from ds_xc_ops import hamming as H
+from ds_xc.sampling.ann.codes import encode_with_margins, pack
+
+
+@pytest.fixture(scope="module")
+def cpu_op():
+    op = builders.load_op("cpu")
+    if op is None:
+        pytest.skip("the CPU op does not build here")
+    return op
+
+
+def _projections(rows: int, bits: int, seed: int = 0) -> torch.Tensor:
+    z = torch.randn(rows, bits, generator=torch.Generator().manual_seed(seed))
+    z[0, ::2] = 0.0  # zeros: bit 0, min 0
+    if rows > 4:
+        z[1, ::3] = -0.0
+        z[2, bits // 2] = float("nan")  # NaN: bit 0, the row's min NaN
+        z[3, 0], z[3, -1] = float("inf"), float("-inf")
+        z[4] = 1e-30  # tiny positive: every bit 1, min 1e-30
+    return z
+
+
+def _check(codes, min_abs, z):
+    assert codes.dtype == torch.uint8 and codes.shape == (z.shape[0], z.shape[1] // 8)
+    assert torch.equal(codes, H.pack_signs(z))
+    want = z.abs().amin(dim=1)
+    assert torch.equal(min_abs.isnan(), want.isnan())
+    assert torch.equal(min_abs[~want.isnan()], want[~want.isnan()])
+
+
+@pytest.mark.parametrize("bits", [8, 24, 64, 256, 504, 512, 1024])
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_op_equals_torch(cpu_op, rows, bits):
+    z = _projections(rows, bits, seed=bits + rows)
+    codes, min_abs = cpu_op.pack_signs_min_abs(z)
+    _check(codes, min_abs, z)
+    assert torch.equal(pack(z), H.pack_signs(z))  # the encoder's pack takes the op for float32 on CPU
+
+
+def test_fallbacks_and_errors(cpu_op):
+    z = _projections(6, 64)
+    _check(*H.pack_signs_min_abs(z.double()), z.double())  # not float32: torch ops
+    _check(*H.pack_signs_min_abs(z.t().contiguous().t()), z)  # not contiguous: torch ops
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        cpu_op.pack_signs_min_abs(torch.randn(2, 12))
+    codes, margins = encode_with_margins(torch.randn(9, 16), torch.randn(16, 64))
+    assert codes.shape == (9, 8) and (margins >= 0).all()
+
+
+def test_scalar_path_forced_equals_vector_path(cpu_op, tmp_path):
+    """DS_XC_HAMMING_SIMD=0 (read once per process) selects the scalar loop; both give the same bytes."""
+    z = _projections(257, 520, seed=3)
+    torch.save(z, tmp_path / "z.pt")
+    code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); from ds_xc_ops import builders; "
+            "op = builders.load_op('cpu'); torch.save(op.pack_signs_min_abs(torch.load(sys.argv[2])), sys.argv[3])")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-c", code, root, str(tmp_path / "z.pt"), str(tmp_path / "out.pt")],
+                   env=dict(os.environ, DS_XC_HAMMING_SIMD="0"), check=True, timeout=600)
+    codes, min_abs = torch.load(tmp_path / "out.pt")
+    _check(codes, min_abs, z)
+    vec = cpu_op.pack_signs_min_abs(z)
+    assert torch.equal(vec[0], codes) and torch.equal(vec[1].nan_to_num(-1.0), min_abs.nan_to_num(-1.0))
