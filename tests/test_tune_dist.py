@@ -81,7 +81,7 @@ def _link(rank, world, fake_ms):
     from ds_xc.parallel.groups import group_size, new_groups
     solo = new_groups([[r] for r in range(world)])
     real = cal._step_times
-    ring = (world - 1) * (16 * world + 6)  # by hand: see test_measure_link_on_ranks
+    ring = (world - 1) * (4 * world + 6)  # by hand: see test_measure_link_on_ranks
 
     def fake(section, rows, group, steps, warmup, seed):
         return [0.010 + (fake_ms * 1e-3 * ring if group_size(group) > 1 else 0.0)] * steps
@@ -97,9 +97,9 @@ def _link(rank, world, fake_ms):
 @pytest.mark.parametrize("world", [2, 3])
 def test_measure_link_on_ranks(pools, world):
     """The in-situ latency is the group step less the solo step over the step's ring steps: 128 rows
-    per rank in chunks of 32 = 4 P chunks of two all-reduces (2 (P - 1) steps each), the input check
-    and the gradient's reduce-scatter (gloo: an all-reduce), two all-gathers (P - 1 steps each):
-    (P - 1) (16 P + 6) ring steps. Every rank returns the same link."""
+    per rank in chunks of 32 = 4 P chunks of one all-gather of row statistics (P - 1 steps each),
+    the input check and the gradient's reduce-scatter (gloo: an all-reduce, 2 (P - 1) steps each),
+    two all-gathers (P - 1 steps each): (P - 1) (4 P + 6) ring steps. Every rank returns the same link."""
     res = pools(world).run(_link, 1.5)
     assert all(r == res[0] for r in res)
     latency, bandwidth = res[0]
