@@ -58,7 +58,8 @@ def _measure(rank: int, world: int, name: str) -> dict:
     state = opt.state[head.weight]
     out = {"head_weight": _nbytes(head.weight),
            "head_optimizer": _nbytes(*(v for k, v in state.items() if k not in (LAST, HIST))),
-           "lazy_exact": _nbytes(state.get(LAST), state.get(HIST)), "num_local": head.num_local}
+           "lazy_exact": _nbytes(state.get(LAST), state.get(HIST)), "num_local": head.num_local,
+           "head_workspace": head.workspace.kept_bytes()}
     index = getattr(head.sampler, "index", None)
     if index is not None:
         out["ann_index"] = _nbytes(index.projection, index.centroids, index.list_offsets, index.list_ids,
@@ -81,6 +82,7 @@ def _check(name: str, world: int, measured: list) -> None:
         assert p.get("lazy_exact", 0) == got["lazy_exact"], (name, rank)
         assert p.get("ann_index", 0) == got.get("ann_index", 0), (name, rank)
         assert p.get("knn_graph", 0) == got.get("knn_graph", 0), (name, rank)
+        assert p["head_workspace"] == got["head_workspace"], (name, rank)
         if "last_retrieved" in got:  # the last retrieval exactly; the rows to re-encode at most the bound
             top_k = raw["extreme_classification"]["sampler"]["top_k"]
             assert got["last_retrieved"] == 8 * B * world * min(top_k, got["num_local"])

@@ -29,6 +29,10 @@ backbone               ZeRO 0, fp32: 4 p params + 4 p grads + optimizer state (A
                        and Lamb 8 p, SGD with momentum and LARS 4 p); bf16: 2 p params +
                        2 p grads + 4 p fp32 master + 4 p fp32 grads + state; ZeRO 1/2: the
                        fp32 master and the state divided by P (and the grads at stage 2)
+head_workspace         the scratch the head keeps between steps (ds_xc/head/workspace.py), each
+                       buffer only if at most 64 MiB: the logits n K s; the active rows K d e
+                       (sampled heads); cosine losses with float32/float64 weights: the rows with
+                       their factors s/|w| folded in, K d s (K = L for the full sampler)
 compression            4 p (error-feedback residual) + 4 p (momentum_correction > 0): an
                        upper bound, tensors below min_numel are not compressed
 baseline               the process itself (torch + deepspeed imported), measured and passed in
@@ -38,7 +42,8 @@ Transient bytes, per phase (what exists on top of the persistent bytes at the ph
 
 * train forward end: gathered embeddings 4 N d + 8 N, their gradient s N d, the gathered
   active rows G K d e (none for the full sampler), the stored weight gradients G K d s (L d s
-  for the full sampler) and one logits buffer n K s (n rows of the largest group);
+  for the full sampler) and one logits buffer n K s (n rows of the largest group); the active
+  rows and the logits buffer count here only where the workspace does not keep them;
 * optimizer step: the weight gradient (G K (d e + 8) sparse rows; dense updates L d e) and
   3 blocks of min(32768, rows) x d x 4 (4 for adamw);
 * ann search (before the loss): (N, c) centroid scores and their sort 29 N c, query codes
@@ -65,6 +70,7 @@ from typing import Optional
 
 from ds_xc import config as cfg
 from ds_xc.head.partition import shard_range
+from ds_xc.head.workspace import KEEP_BYTES
 from ds_xc.sampling.ann.sampler import retrieval_budgets
 from ds_xc.sampling.base import budget
 
@@ -208,13 +214,22 @@ def _compression(raw: dict, params: int) -> dict:
     return {"compression": 4 * params * (int(c.error_feedback) + int(c.momentum_correction > 0.0))}
 
 
+def _workspace(head: cfg.HeadConfig, sh: _Shape) -> dict:
+    """The head's kept scratch (module docstring, head_workspace): {buffer: bytes}, kept ones only."""
+    dense_rows = sh.K >= sh.L and head.sampler.type == "full"
+    sizes = {"logits": sh.n * sh.K * sh.s, "active_rows": 0 if dense_rows else sh.K * sh.d * sh.e,
+             "folded": sh.K * sh.d * sh.s if head.loss.type != "softmax" and sh.e == sh.s else 0}
+    return {k: v for k, v in sizes.items() if 0 < v <= KEEP_BYTES}
+
+
 def _train_phases(head: cfg.HeadConfig, sh: _Shape, update: str) -> dict:
     """{phase: {component: bytes}} of a training step (module docstring)."""
     dense_rows = sh.K >= sh.L and head.sampler.type == "full"
+    kept = _workspace(head, sh)
     forward = {"gathered_embeddings": 4 * sh.N * sh.d + 8 * sh.N, "embedding_grad": sh.s * sh.N * sh.d,
-               "active_weights": 0 if dense_rows else sh.G * sh.K * sh.d * sh.e,
+               "active_weights": 0 if dense_rows or "active_rows" in kept else sh.G * sh.K * sh.d * sh.e,
                "weight_grad": (sh.L if dense_rows else sh.G * sh.K) * sh.d * sh.s,
-               "logits": sh.n * sh.K * sh.s}
+               "logits": 0 if "logits" in kept else sh.n * sh.K * sh.s}
     per_block = 4 if head.optimizer.type == "adamw" else 3
     if update == "dense":
         grad, rows = sh.L * sh.d * sh.e, sh.L
@@ -299,6 +314,7 @@ def estimate_memory(ds_config: dict, *, world_size: int, rank: int = 0, num_clas
         width = 4 if head.optimizer.type == "sgd" else 6
         persistent["lazy_exact"] = 8 * sh.L + 8 * width * _history_rows(steps)
     persistent.update(_sampler_persistent(head, sh, update))
+    persistent["head_workspace"] = sum(_workspace(head, sh).values())
     persistent.update(_backbone(raw, backbone_params, world_size))
     persistent.update(_compression(raw, backbone_params))
     phases = _train_phases(head, sh, update)
