@@ -97,8 +97,8 @@ def _coef_ok(coef: torch.Tensor) -> bool:
 def gather_rows(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """src[index] for a 2-D src and 1-D int64 index: (n, d), written into ``out`` when given.
 
-    The rows of a large shard are scattered: the kernel prefetches a few rows ahead (about 2-3x
-    faster than ``torch.index_select`` on 10^5 of 10^6 rows of d = 128, one thread). Any dtype;
+    The rows of a large shard are scattered: the kernel prefetches a few rows ahead (7.4 vs 9.5 ms
+    for ``torch.index_select`` on 10^5 of 10^6 rows of d = 128, one thread). Any dtype;
     other devices, non-contiguous tensors or an unbuilt op take ``torch.index_select``. Rows out
     of range raise (IndexError from torch, RuntimeError from the kernel)."""
     if out is None:

@@ -25,7 +25,6 @@ import logging
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from ds_xc.head.margins import TargetLoss
 from ds_xc.parallel import collectives
@@ -38,24 +37,13 @@ _EPS = 1e-12
 
 
 class Reducer:
-    """Collectives of the softmax statistics over ``group`` (no-ops with one rank).
-
-    ``max_`` / ``sum_`` all-reduce in place; :meth:`gather` all-gathers a (n, c) block of row
-    statistics into (P, n, c), asynchronously when asked (``.result()`` waits)."""
+    """The collective of the softmax statistics over ``group`` (a no-op with one rank):
+    :meth:`gather` all-gathers a (n, c) block of row statistics into (P, n, c), asynchronously
+    when asked (``.result()`` waits)."""
 
     def __init__(self, group=None):
         self.group = group
         self.active = is_distributed(group)
-
-    def max_(self, t: torch.Tensor) -> torch.Tensor:
-        if self.active:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return t
-
-    def sum_(self, t: torch.Tensor) -> torch.Tensor:
-        if self.active:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
-        return t
 
     def gather(self, t: torch.Tensor, async_op: bool = False) -> "_Gathered":
         if not self.active:

@@ -15,6 +15,8 @@ forward only; its backward reads the gradients it stored).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ds_xc_ops import rows as native_rows
@@ -34,15 +36,12 @@ class Workspace:
     def buffer(self, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An uninitialised contiguous tensor of ``shape``: the kept one of ``name`` when it fits,
         else a new one (kept if at most ``keep_bytes``)."""
-        numel = 1
-        for s in shape:
-            numel *= int(s)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        numel = math.prod(int(s) for s in shape)
         kept = self._kept.get(name)
         if kept is not None and kept.dtype == dtype and kept.device == torch.device(device) \
                 and kept.numel() >= numel:
             return kept[:numel].view(shape)
-        if nbytes > self.keep_bytes:
+        if not self.keeps(shape, dtype):
             self._kept.pop(name, None)
             return torch.empty(shape, dtype=dtype, device=device)
         kept = torch.empty(numel, dtype=dtype, device=device)
@@ -51,10 +50,7 @@ class Workspace:
 
     def keeps(self, shape: tuple, dtype: torch.dtype) -> bool:
         """Whether a buffer of ``shape`` and ``dtype`` would be kept (at most ``keep_bytes``)."""
-        numel = 1
-        for s in shape:
-            numel *= int(s)
-        return numel * torch.empty((), dtype=dtype).element_size() <= self.keep_bytes
+        return math.prod(int(s) for s in shape) * dtype.itemsize <= self.keep_bytes
 
     def clear(self) -> None:
         """Free every kept buffer (e.g. before a memory-hungry phase)."""

@@ -183,12 +183,19 @@ DS_XC_AVX512_TARGET void scan_rows_avx512(const Args& a, const Hamming<uint64_t,
   scan_rows<uint64_t, NW>(a, ham, r, end, cap, buf, bound);
 }
 
-bool avx512_scan_enabled() {
+// Whether the vector paths may run: DS_XC_HAMMING_SIMD=0 forces the scalar loops (read once).
+bool simd_allowed() {
   static const bool on = [] {
     const char* env = std::getenv("DS_XC_HAMMING_SIMD");
-    if (env != nullptr && env[0] == '0') return false;
+    return env == nullptr || env[0] != '0';
+  }();
+  return on;
+}
+
+bool avx512_scan_enabled() {
+  static const bool on = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vpopcntdq");
+    return simd_allowed() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vpopcntdq");
   }();
   return on;
 }
@@ -379,10 +386,8 @@ __attribute__((target("avx512f"))) void pack_row_avx512(const float* z, int64_t 
 
 bool avx512f_enabled() {
   static const bool on = [] {
-    const char* env = std::getenv("DS_XC_HAMMING_SIMD");
-    if (env != nullptr && env[0] == '0') return false;
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") != 0;
+    return simd_allowed() && __builtin_cpu_supports("avx512f") != 0;
   }();
   return on;
 }
