@@ -29,6 +29,7 @@ import torch
 from ds_xc.head.margins import TargetLoss
 from ds_xc.parallel import collectives
 from ds_xc.parallel.groups import group_size, is_distributed
+from ds_xc_ops.softmax_rows import exp_rows_
 
 __all__ = ["sharded_margin_loss", "fused_loss_and_grads", "finish_weight_grad", "inverse_row_norms", "Reducer",
            "merge_row_stats"]
@@ -118,17 +119,18 @@ class _Local:
         self.c_t = torch.where(self.has_t, at_t / loss.scale, zero)  # target cosine / raw logit
         if loss.separate_target:  # D-Softmax: the target leaves the partition function
             logits.scatter_(1, self.tt, torch.where(self.has_t, float("-inf"), at_t)[:, None])
-            m = _row_max(logits).clamp_min_(0.0)  # (n,); >= 0 keeps exp finite with no class but the target
+            floor = 0.0  # the row max >= 0 keeps exp finite with no class but the target
             target = self.c_t
             self.dz_t = None
         else:
             z_t, self.dz_t = loss.target_logit(self.c_t)
             z_t = torch.where(self.has_t, z_t, at_t)
             logits.scatter_(1, self.tt, z_t[:, None])
-            m = _row_max(logits)  # (n,)
+            floor = None
             target = torch.where(self.has_t, z_t, zero)
-        self.e = logits.sub_(m[:, None]).exp_()  # (n, K) unnormalised probabilities, in the buffer
-        self.stats = torch.stack([m, self.e.sum(dim=1), target], 1)  # (n, 3)
+        m, sumexp = _exp_rows_(logits, floor)  # (n,), (n,)
+        self.e = logits  # (n, K) unnormalised probabilities exp(logit - m), in the buffer
+        self.stats = torch.stack([m, sumexp, target], 1)  # (n, 3)
 
     def factor(self, loss: TargetLoss, rw) -> None:
         """Turn e into the gradient's off-target part in factored form (times inv per row, see
@@ -141,11 +143,20 @@ class _Local:
             self.e.mul_((loss.scale * rw)[None, :])
 
 
-def _row_max(logits: torch.Tensor) -> torch.Tensor:
-    """(n,) row max of (n, K) logits; -inf for a shard without active classes."""
+def _exp_rows_(logits: torch.Tensor, floor: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (n, K) <- exp(logits - m[:, None]) in place, m = row max (at least ``floor``; -inf for a
+    shard without active classes); returns (m (n,), row sums (n,)). float32 on CPU: one C++ kernel
+    (ds_xc_ops.softmax_rows, two passes instead of four), else these PyTorch passes."""
+    fused = exp_rows_(logits, floor)
+    if fused is not None:
+        return fused
     if logits.shape[1] == 0:
-        return torch.full((logits.shape[0],), float("-inf"), dtype=logits.dtype, device=logits.device)
-    return logits.amax(dim=1)
+        m = torch.full((logits.shape[0],), float("-inf"), dtype=logits.dtype, device=logits.device)
+    else:
+        m = logits.amax(dim=1)
+    if floor is not None:
+        m = m.clamp_min_(floor)
+    return m, logits.sub_(m[:, None]).exp_().sum(dim=1)
 
 
 def _chunk_step(x, w, rw, t, loss: TargetLoss, red: Reducer, need_grad: bool, need_gx: bool, buf: torch.Tensor,
