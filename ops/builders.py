@@ -62,7 +62,7 @@ class HammingBuilder(_DsXcOp, OpBuilder):
     NAME = "ds_xc_hamming_cpu"
 
     def sources(self):
-        return [os.path.join(CSRC, "hamming_cpu.cpp")]
+        return [os.path.join(CSRC, "hamming_cpu.cpp"), os.path.join(CSRC, "pack_cpu.cpp")]
 
     def cxx_args(self):
         return ["-O3", "-fopenmp", "-Wall", *_popcnt_flags()]

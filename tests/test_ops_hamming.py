@@ -213,6 +213,41 @@ def test_cpu_vector_scan_equals_torch(cpu_op, bits, rows, nlist, nprobe, distinc
     assert_same(H.hamming_topk_ivf(*args, k, backend="cpu"), H.hamming_topk_ivf(*args, k, backend="torch"))
 
 
+def _one_list_ivf(codes: torch.Tensor, queries: torch.Tensor, seed: int = 0):
+    """(q, list_codes, list_ids, list_offsets, probes) of one list holding every row, ids shuffled."""
+    ids = torch.randperm(codes.shape[0], generator=torch.Generator().manual_seed(seed)) * 3 + 5
+    offsets = torch.tensor([0, codes.shape[0]], dtype=torch.int64)
+    probes = torch.zeros((queries.shape[0], 1), dtype=torch.int64)
+    return queries.contiguous(), codes.contiguous(), ids, offsets, probes
+
+
+@pytest.mark.parametrize("bits", [64, 96, 512])
+def test_cpu_sampled_bound_too_tight_rescans(cpu_op, bits):
+    """The scan's starting bound comes from every 32nd row: here exactly those rows equal the query
+    (distance 0) and the rest are far, so the sampled bound (0) admits fewer than k and the query must
+    be scanned again with an open bound; the result is still the k smallest (distance, id)."""
+    g = torch.Generator().manual_seed(bits)
+    rows, k = 4096, 256
+    q = torch.randint(0, 256, (3, bits // 8), dtype=torch.uint8, generator=g)
+    codes = torch.randint(0, 256, (rows, bits // 8), dtype=torch.uint8, generator=g)
+    codes[::32] = q[0]
+    args = _one_list_ivf(codes, q, seed=bits)
+    assert_same(H.hamming_topk_ivf(*args, k, backend="cpu"), H.hamming_topk_ivf(*args, k, backend="torch"))
+
+
+@pytest.mark.parametrize("distinct,k", [(1, 5), (2, 300), (3, 1000)])
+def test_cpu_ties_that_fill_the_buffer(cpu_op, distinct, k):
+    """Many candidates at the bound's distance (a few distinct codes over 20,000 rows): the buffer fills
+    with ties and is cut to the k smallest pairs again and again; ties go by id."""
+    g = torch.Generator().manual_seed(distinct)
+    pool = torch.randint(0, 256, (distinct, 64), dtype=torch.uint8, generator=g)
+    codes = pool[torch.randint(0, distinct, (20000,), generator=g)]
+    q = torch.randint(0, 256, (4, 64), dtype=torch.uint8, generator=g)
+    q[1] = pool[0]
+    args = _one_list_ivf(codes, q, seed=distinct)
+    assert_same(H.hamming_topk_ivf(*args, k, backend="cpu"), H.hamming_topk_ivf(*args, k, backend="torch"))
+
+
 def test_cpu_scalar_scan_forced_equals_vector_scan(cpu_op, tmp_path):
     """DS_XC_HAMMING_SIMD=0 (read once per process) selects the scalar scan; both paths agree bitwise."""
     args = random_ivf(3, 512, 64, 20011, 61, 12, None, id_scale=3, id_offset=5)

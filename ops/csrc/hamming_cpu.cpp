@@ -8,19 +8,19 @@
 // OpenMP over blocks of queries; inside a block the probed lists are visited in list order
 // and each is scanned for every query of the block that probes it (scan_block), one pass
 // per query over its probed codes (xor + 64-bit popcount, or 32-bit words when
-// code_bits % 64 != 0) with a bounded selection: a buffer of at most
-// `cap` = max(2k, k + 64) (distance, id) pairs receives every candidate at distance
-// <= bound; when it is full, nth_element keeps its k smallest pairs and bound becomes
-// the largest distance kept (a candidate at that distance can still enter with a smaller
-// id). Candidates above the bound cost one compare, so after the first few lists the scan
-// is a popcount per row. At the end the k smallest pairs are sorted. Memory per thread:
-// O(block * k + block * nprobe).
+// code_bits % 64 != 0) with a bounded selection (Selector): every candidate at distance
+// <= bound enters a buffer, and a histogram of the admitted distances keeps the bound at the
+// k-th smallest admitted distance. The bound starts from a sample of the query's rows (every
+// 32nd row of each probed list: the distance under which ~1.5x their share of k sampled rows
+// lie), so a scan admits a few hundred candidates rather than k ln(rows / k); a query that
+// admits fewer than k is scanned again with an open bound (rare). Candidates above the bound
+// cost one compare. At the end the k smallest pairs are sorted.
 //
 // On x86-64 CPUs with AVX-512 VPOPCNTDQ (checked at run time; the file is built without -mavx512
 // flags, so one build runs on any x86-64), codes of 256, 512 and 1024 bits are scanned 8 rows at a
 // time: xor and vpopcntq per 64-byte register, the 8 rows' word counts summed by a transposing
 // reduction, and one vector compare against the bound; only the rows at or below it enter the
-// scalar selection above, in row order. The bound only falls while a list is scanned, so a row
+// selection above, in row order. The bound only falls while a list is scanned, so a row
 // the vector compare rejects would be rejected by the scalar one too: the same (distance, id)
 // candidates reach the selection, and the result is identical. DS_XC_HAMMING_SIMD=0 forces the
 // scalar scan (tests compare both).
@@ -91,23 +91,60 @@ struct Args {
 
 using Pair = std::pair<int32_t, int64_t>;  // (distance, id), ordered lexicographically
 
-// Keeps the k smallest pairs of buf (unordered) and returns the largest distance kept.
-inline int32_t shrink(std::vector<Pair>& buf, int k) {
-  std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.end());
-  buf.resize(k);
-  return buf[k - 1].first;  // nth_element puts the k-th smallest at k - 1, smaller before
-}
+// The k smallest (distance, id) pairs of one query's candidates, fed one candidate at a time.
+// Every candidate at distance <= bound is admitted; a histogram of the admitted distances keeps
+// bound at the k-th smallest distance admitted so far (or at the starting bound while fewer than
+// k are in), so it falls as soon as it can, with no sorting on the way. Pairs left above the
+// bound are dropped when the buffer reaches cap (and, if ties at the bound still fill half of
+// it, the k smallest pairs are kept: a dropped pair is larger than k kept ones, so it cannot be
+// among the k smallest).
+struct Selector {
+  std::vector<Pair> buf;
+  std::vector<int32_t> hist;  // admitted pairs per distance, 0..bits
+  int32_t bound = 0;
+  int64_t below = 0;     // admitted pairs at distance <= bound
+  int64_t admitted = 0;  // pairs admitted since reset
+  int k = 1;
+  size_t cap = 2;
 
-// The candidates of one query inside one list [begin, end) go through the bounded selection.
+  void reset(int bits, int k_, size_t cap_, int32_t start) {
+    k = k_;
+    cap = cap_;
+    buf.clear();
+    hist.assign(bits + 1, 0);
+    bound = start;
+    below = admitted = 0;
+  }
+
+  inline void admit(int32_t d, int64_t id) {
+    buf.emplace_back(d, id);
+    ++hist[d];
+    ++below;
+    ++admitted;
+    while (below - hist[bound] >= k) below -= hist[bound--];
+    if (buf.size() >= cap) compact();
+  }
+
+  void compact() {
+    const int32_t b = bound;
+    buf.erase(std::remove_if(buf.begin(), buf.end(), [b](const Pair& p) { return p.first > b; }), buf.end());
+    if (buf.size() < cap / 2) return;
+    std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.end());
+    buf.resize(k);
+    std::fill(hist.begin(), hist.end(), 0);
+    for (const Pair& p : buf) ++hist[p.first];
+    bound = buf[k - 1].first;  // the k-th smallest pair's distance (nth_element puts the rest before)
+    below = k;
+  }
+};
+
+// The candidates of one query inside one list [begin, end) go through the selection.
 template <typename Word, int NW>
-inline void scan_rows(const Args& a, const Hamming<Word, NW>& ham, int64_t begin, int64_t end, size_t cap,
-                      std::vector<Pair>& buf, int32_t& bound) {
+inline void scan_rows(const Args& a, const Hamming<Word, NW>& ham, int64_t begin, int64_t end, Selector& sel) {
   const uint8_t* row = a.codes + begin * a.nbytes;
   for (int64_t r = begin; r < end; ++r, row += a.nbytes) {
     const int32_t d = ham(row);
-    if (d > bound) continue;
-    buf.emplace_back(d, a.ids[r]);
-    if (buf.size() == cap) bound = shrink(buf, a.k);
+    if (d <= sel.bound) sel.admit(d, a.ids[r]);
   }
 }
 
@@ -154,7 +191,7 @@ DS_XC_AVX512_TARGET inline __m512i dist8_256(const uint8_t* row, const __m512i* 
 // below the bound) through the scalar path.
 template <int NW>
 DS_XC_AVX512_TARGET void scan_rows_avx512(const Args& a, const Hamming<uint64_t, NW>& ham, int64_t begin,
-                                          int64_t end, size_t cap, std::vector<Pair>& buf, int32_t& bound) {
+                                          int64_t end, Selector& sel) {
   static_assert(NW == 4 || NW == 8 || NW == 16, "256, 512 or 1024 bits");
   constexpr int NZ = NW == 4 ? 1 : NW / 8;
   __m512i q[NZ];
@@ -168,19 +205,17 @@ DS_XC_AVX512_TARGET void scan_rows_avx512(const Args& a, const Hamming<uint64_t,
   int64_t r = begin;
   for (; r + 8 <= end; r += 8, row += 8 * a.nbytes) {
     const __m512i d = NW == 4 ? dist8_256(row, q) : dist8<NZ>(row, q);
-    __mmask8 m = _mm512_cmple_epi64_mask(d, _mm512_set1_epi64(bound));
+    __mmask8 m = _mm512_cmple_epi64_mask(d, _mm512_set1_epi64(sel.bound));
     if (!m) continue;
     alignas(64) int64_t dist[8];
     _mm512_store_si512(dist, d);
     for (; m; m &= m - 1) {
       const int j = __builtin_ctz(m);
       const int32_t dj = static_cast<int32_t>(dist[j]);
-      if (dj > bound) continue;  // the bound fell at an earlier row of these 8
-      buf.emplace_back(dj, a.ids[r + j]);
-      if (buf.size() == cap) bound = shrink(buf, a.k);
+      if (dj <= sel.bound) sel.admit(dj, a.ids[r + j]);  // the bound may have fallen at an earlier row
     }
   }
-  scan_rows<uint64_t, NW>(a, ham, r, end, cap, buf, bound);
+  scan_rows<uint64_t, NW>(a, ham, r, end, sel);
 }
 
 // Whether the vector paths may run: DS_XC_HAMMING_SIMD=0 forces the scalar loops (read once).
@@ -205,20 +240,61 @@ bool avx512_scan_enabled() { return false; }
 
 // One query's rows of one list: the vector scan where it applies (Word = uint64_t, NW = 4, 8, 16).
 template <typename Word, int NW>
-inline void scan_list(const Args& a, const Hamming<Word, NW>& ham, int64_t begin, int64_t end, size_t cap,
-                      std::vector<Pair>& buf, int32_t& bound, bool simd) {
+inline void scan_list(const Args& a, const Hamming<Word, NW>& ham, int64_t begin, int64_t end, Selector& sel,
+                      bool simd) {
 #ifdef DS_XC_AVX512_SCAN
   if constexpr (std::is_same<Word, uint64_t>::value && (NW == 4 || NW == 8 || NW == 16)) {
-    if (simd) return scan_rows_avx512<NW>(a, ham, begin, end, cap, buf, bound);
+    if (simd) return scan_rows_avx512<NW>(a, ham, begin, end, sel);
   }
 #endif
   (void)simd;
-  scan_rows<Word, NW>(a, ham, begin, end, cap, buf, bound);
+  scan_rows<Word, NW>(a, ham, begin, end, sel);
 }
 
-void finish_query(const Args& a, int64_t i, std::vector<Pair>& buf) {
+// Starting bounds for a block's queries from every kSampleStride-th row of each probed list, read
+// list-major like the scan: the distance under which ~1.5x the expected share of k sampled rows lie
+// (plus 4). Only a guess: scan_block rescans a query that admitted fewer than k (every row at
+// distance <= the starting bound is admitted, so k admitted means the k smallest are among them).
+constexpr int64_t kSampleStride = 32;
+
+template <typename Word, int NW>
+void sampled_bounds(const Args& a, int64_t q0, int64_t q1, const std::vector<std::pair<int64_t, int64_t>>& pairs,
+                    std::vector<int32_t>& hist, std::vector<int32_t>& out) {
   const int bits = a.nbytes * 8;
-  if (buf.size() > static_cast<size_t>(a.k)) shrink(buf, a.k);
+  const int64_t n = q1 - q0;
+  hist.assign(n * (bits + 1), 0);
+  std::vector<int64_t> rows(n, 0), sampled(n, 0);
+  for (const auto& lq : pairs) {
+    const int64_t i = lq.second - q0, begin = a.offsets[lq.first], end = a.offsets[lq.first + 1];
+    const Hamming<Word, NW> ham(a.q + lq.second * a.nbytes, a.nbytes);
+    int32_t* h = hist.data() + i * (bits + 1);
+    for (int64_t r = begin; r < end; r += kSampleStride, ++sampled[i]) ++h[ham(a.codes + r * a.nbytes)];
+    rows[i] += end - begin;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = bits;
+    if (rows[i] < 8 * static_cast<int64_t>(a.k) || sampled[i] < 64) continue;  // too few rows to gain
+    const int64_t want = (3 * a.k * sampled[i] + 2 * rows[i] - 1) / (2 * rows[i]) + 4;  // sampled rows under it
+    int64_t seen = 0;
+    const int32_t* h = hist.data() + i * (bits + 1);
+    for (int32_t d = 0; d < bits; ++d) {
+      if ((seen += h[d]) >= want) {
+        out[i] = d;
+        break;
+      }
+    }
+  }
+}
+
+void finish_query(const Args& a, int64_t i, Selector& sel) {
+  const int bits = a.nbytes * 8;
+  std::vector<Pair>& buf = sel.buf;
+  const int32_t b = sel.bound;
+  buf.erase(std::remove_if(buf.begin(), buf.end(), [b](const Pair& p) { return p.first > b; }), buf.end());
+  if (buf.size() > static_cast<size_t>(a.k)) {
+    std::nth_element(buf.begin(), buf.begin() + (a.k - 1), buf.end());
+    buf.resize(a.k);
+  }
   std::sort(buf.begin(), buf.end());
   int32_t* od = a.out_d + i * a.k;
   int64_t* oi = a.out_i + i * a.k;
@@ -233,34 +309,44 @@ void finish_query(const Args& a, int64_t i, std::vector<Pair>& buf) {
 // list, so each probed list is read from memory once per block and then scanned, from
 // cache, for every query of the block that probes it (with a large nprobe many queries
 // share a list, and a query-major scan would stream the same codes from DRAM again and
-// again). Each query keeps its own buffer and bound across lists; the result, the k
-// smallest (distance, id) pairs, does not depend on the order of the candidates.
+// again). Each query keeps its own selection across lists, starting from its sampled bound; the
+// result, the k smallest (distance, id) pairs, does not depend on the order of the candidates.
 template <typename Word, int NW>
-void scan_block(const Args& a, int64_t q0, int64_t q1, size_t cap, std::vector<std::vector<Pair>>& bufs,
-                std::vector<int32_t>& bounds, std::vector<std::pair<int64_t, int64_t>>& pairs) {
+void scan_block(const Args& a, int64_t q0, int64_t q1, size_t cap, std::vector<Selector>& sels,
+                std::vector<int32_t>& hist, std::vector<std::pair<int64_t, int64_t>>& pairs) {
   const int bits = a.nbytes * 8;
   pairs.clear();
   for (int64_t i = q0; i < q1; ++i) {
     const int64_t* pr = a.probes + i * a.nprobe;
     for (int64_t j = 0; j < a.nprobe; ++j)
       if (pr[j] >= 0) pairs.emplace_back(pr[j], i);
-    bufs[i - q0].clear();
-    bounds[i - q0] = bits;  // no candidate is excluded until k are known
   }
   std::sort(pairs.begin(), pairs.end());  // by list, then query
+  std::vector<int32_t> start(q1 - q0);
+  sampled_bounds<Word, NW>(a, q0, q1, pairs, hist, start);
+  for (int64_t i = q0; i < q1; ++i) sels[i - q0].reset(bits, a.k, cap, start[i - q0]);
   const bool simd = avx512_scan_enabled();
   for (const auto& lq : pairs) {
     const int64_t i = lq.second;
     const Hamming<Word, NW> ham(a.q + i * a.nbytes, a.nbytes);
-    scan_list<Word, NW>(a, ham, a.offsets[lq.first], a.offsets[lq.first + 1], cap, bufs[i - q0],
-                        bounds[i - q0], simd);
+    scan_list<Word, NW>(a, ham, a.offsets[lq.first], a.offsets[lq.first + 1], sels[i - q0], simd);
   }
-  for (int64_t i = q0; i < q1; ++i) finish_query(a, i, bufs[i - q0]);
+  for (int64_t i = q0; i < q1; ++i) {
+    Selector& sel = sels[i - q0];
+    if (sel.admitted < a.k && sel.bound < bits) {  // the sampled bound was too tight: again, open
+      sel.reset(bits, a.k, cap, bits);
+      const Hamming<Word, NW> ham(a.q + i * a.nbytes, a.nbytes);
+      const int64_t* pr = a.probes + i * a.nprobe;
+      for (int64_t j = 0; j < a.nprobe; ++j)
+        if (pr[j] >= 0) scan_list<Word, NW>(a, ham, a.offsets[pr[j]], a.offsets[pr[j] + 1], sel, simd);
+    }
+    finish_query(a, i, sel);
+  }
 }
 
 template <typename Word, int NW>
 void scan_all(const Args& a, int num_threads) {
-  const size_t cap = std::max<size_t>(2 * static_cast<size_t>(a.k), a.k + 64);
+  const size_t cap = std::max<size_t>(4 * static_cast<size_t>(a.k), a.k + 256);
   // Block size: the queries of one thread share their lists, bounded so that the
   // selection buffers of a block stay within ~8 MiB.
   const int64_t per_thread = (a.n + num_threads - 1) / num_threads;
@@ -269,14 +355,14 @@ void scan_all(const Args& a, int num_threads) {
   const int64_t nblocks = (a.n + block - 1) / block;
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<std::vector<Pair>> bufs(block);
-    for (auto& b : bufs) b.reserve(cap);
-    std::vector<int32_t> bounds(block);
+    std::vector<Selector> sels(block);
+    for (auto& s : sels) s.buf.reserve(cap);
+    std::vector<int32_t> hist;  // sampled distances per query of a block
     std::vector<std::pair<int64_t, int64_t>> pairs;
     pairs.reserve(block * a.nprobe);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t b = 0; b < nblocks; ++b)
-      scan_block<Word, NW>(a, b * block, std::min(a.n, (b + 1) * block), cap, bufs, bounds, pairs);
+      scan_block<Word, NW>(a, b * block, std::min(a.n, (b + 1) * block), cap, sels, hist, pairs);
   }
 }
 
@@ -347,82 +433,9 @@ std::vector<at::Tensor> hamming_topk_ivf(at::Tensor q_codes, at::Tensor list_cod
   return {out_d, out_i};
 }
 
-// Sign codes of projections z (n, b) float32, b % 8 == 0, in one pass: codes (n, b / 8) uint8 with bit
-// j of row i = [z[i][j] > 0], LSB first (ds_xc_ops.hamming.pack_signs; NaN packs as 0), and
-// min_abs (n,) = min_j |z[i][j]| (NaN where the row holds one, as torch.amin). The index's encoder
-// needs both (the code and how far the row is from flipping a bit); as torch ops they are five
-// passes over (n, b) with temporaries. AVX-512: 16 values, one compare mask = two code bytes.
-void pack_row_scalar(const float* z, int64_t b, int64_t from, uint8_t* out, float& mn, bool& nan) {
-  for (int64_t byte = from / 8; byte < b / 8; ++byte) {
-    uint8_t v = 0;
-    for (int t = 0; t < 8; ++t) {
-      const float x = z[8 * byte + t], a = std::fabs(x);
-      v = static_cast<uint8_t>(v | (static_cast<uint8_t>(x > 0.0f) << t));
-      nan = nan || a != a;
-      mn = a < mn ? a : mn;
-    }
-    out[byte] = v;
-  }
-}
+bool ds_xc_hamming_simd_allowed() { return simd_allowed(); }
 
-#ifdef DS_XC_AVX512_SCAN
-__attribute__((target("avx512f"))) void pack_row_avx512(const float* z, int64_t b, uint8_t* out, float& mn,
-                                                         bool& nan) {
-  __m512 m = _mm512_set1_ps(__builtin_inff());
-  __mmask16 unordered = 0;
-  int64_t j = 0;
-  for (; j + 16 <= b; j += 16) {
-    const __m512 x = _mm512_loadu_ps(z + j);
-    const __mmask16 gt = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
-    std::memcpy(out + j / 8, &gt, 2);  // little-endian: bit t of the mask is element j + t
-    const __m512 a = _mm512_abs_ps(x);
-    unordered = static_cast<__mmask16>(unordered | _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q));
-    m = _mm512_min_ps(m, a);
-  }
-  mn = _mm512_reduce_min_ps(m);
-  nan = unordered != 0;
-  pack_row_scalar(z, b, j, out, mn, nan);  // a last 8 values when b % 16 == 8
-}
-
-bool avx512f_enabled() {
-  static const bool on = [] {
-    __builtin_cpu_init();
-    return simd_allowed() && __builtin_cpu_supports("avx512f") != 0;
-  }();
-  return on;
-}
-#endif
-
-std::vector<at::Tensor> pack_signs_min_abs(at::Tensor z) {
-  check_tensor(z, "z", at::kFloat, 2);
-  const int64_t n = z.size(0), b = z.size(1);
-  TORCH_CHECK(b % 8 == 0, "z has ", b, " columns; pack_signs_min_abs needs a multiple of 8");
-  auto codes = at::empty({n, b / 8}, z.options().dtype(at::kByte));
-  auto min_abs = at::empty({n}, z.options());
-  const float* zp = z.data_ptr<float>();
-  uint8_t* cp = codes.data_ptr<uint8_t>();
-  float* mp = min_abs.data_ptr<float>();
-#ifdef DS_XC_AVX512_SCAN
-  const bool simd = avx512f_enabled();
-#endif
-  at::parallel_for(0, n, 256, [&](int64_t a, int64_t e) {
-    for (int64_t i = a; i < e; ++i) {
-      float mn = __builtin_inff();
-      bool nan = false;
-#ifdef DS_XC_AVX512_SCAN
-      if (simd) {
-        pack_row_avx512(zp + i * b, b, cp + i * (b / 8), mn, nan);
-      } else {
-        pack_row_scalar(zp + i * b, b, 0, cp + i * (b / 8), mn, nan);
-      }
-#else
-      pack_row_scalar(zp + i * b, b, 0, cp + i * (b / 8), mn, nan);
-#endif
-      mp[i] = nan ? __builtin_nanf("") : mn;
-    }
-  });
-  return {codes, min_abs};
-}
+std::vector<at::Tensor> pack_signs_min_abs(at::Tensor z);  // pack_cpu.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ds_xc Hamming top-k scan over an inverted file (CPU, OpenMP)";
