@@ -7,10 +7,8 @@ rules live in model validators. :func:`parse_config` validates the whole file an
 every pydantic error into a :class:`ConfigError` whose message names the key path, the
 bad value and what is allowed.
 
-Sections
---------
-``extreme_classification``  the class-parallel head (:class:`HeadConfig`)
-``xc_train``                 the built-in training job of ``launch/train.py`` (:class:`TrainConfig`)
+Sections: ``extreme_classification``, the class-parallel head (:class:`HeadConfig`); ``xc_train``, the
+built-in training job of ``launch/train.py`` (:class:`TrainConfig`).
 """
 from __future__ import annotations
 
@@ -32,8 +30,6 @@ __all__ = [
     "TrainConfig", "XCConfig", "parse_config", "parse_loss", "parse_sampler", "HEAD_SECTION", "TRAIN_SECTION",
     "COMPRESSION_SECTION", "validate_section", "validation_error", "load_raw", "UPDATE_MODES", "resolve_update",
 ]
-
-
 
 # --------------------------------------------------------------------------- loss
 class _NormalisedLoss(_Section):
@@ -115,6 +111,9 @@ class AnnSampler(_Section):
     rotation: Literal["random", "itq"] = Field(
         "random", description="random: random orthogonal rotation then sign (SimHash); itq: rotation "
         "learned by iterative quantisation (needs code_bits <= embedding_dim).")
+    code_precision: Literal["auto", "float32", "bfloat16"] = Field("auto", description="Projection precision of "
+        "the codes (bfloat16: ~3x faster where bf16 matmuls are native, 0.07% of bits differ; auto = bfloat16 on "
+        "CUDA and CPUs with AVX512_BF16/AMX). Dense updates' safe-radius refresh always encodes in float32.")
     nlist: int = Field(0, ge=0, description="Inverted lists (spherical k-means centroids); 0 = round(sqrt(num_local)).")
     nprobe: int = Field(32, ge=1, description="Lists scanned per query at least (capped at nlist).")
     scan_rows: int = Field(65536, ge=0, description="Rows scanned per query at least, over the whole head "

@@ -23,7 +23,8 @@ import torch
 
 from ds_xc_ops import builders
 
-__all__ = ["ENV", "native_op", "torch_fuses", "sgd_step", "sgd_catch_up", "adamw_step", "adamw_catch_up", "gather_rows"]
+__all__ = ["ENV", "native_op", "torch_fuses", "sgd_step", "sgd_catch_up", "adamw_step", "adamw_catch_up", "gather_rows",
+           "rerank_scores"]
 
 ENV = "DS_XC_NATIVE_ROWS"  # "0": always the PyTorch path
 _DTYPES = (torch.float32, torch.float64)
@@ -112,3 +113,16 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None
         return torch.index_select(src, 0, index, out=out)
     op.gather_rows(src, index, out)
     return out
+
+
+def rerank_scores(queries: torch.Tensor, weight: torch.Tensor, candidates: torch.Tensor, cosine: bool):
+    """Scores (N, R) of candidate rows (N, R) int64 (-1: none, scored -inf) against queries (N, d):
+    q . w (over |w|, at least 1e-12, when ``cosine``), each row read once; or None when the kernel cannot
+    take the tensors (float32 contiguous CPU queries and weight, contiguous int64 candidates) and the
+    caller gathers the rows itself."""
+    op = native_op(queries, weight)
+    if op is None or queries.dtype != torch.float32 or candidates.dtype != torch.int64 or candidates.dim() != 2 \
+            or not candidates.is_contiguous() or candidates.device.type != "cpu" or weight.dim() != 2 \
+            or queries.shape != (candidates.shape[0], weight.shape[1]):
+        return None
+    return op.rerank_scores(queries, weight, candidates, bool(cosine))

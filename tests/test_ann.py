@@ -191,7 +191,7 @@ def test_upkeep_re_encodes_active_rows_and_rebuilds_on_schedule():
         s = head.sampler
         assert s.staleness == [1, 2, 3, 1, 2][step]
     before = s.index.list_codes[s.index.position].clone()
-    codes = encode(F.normalize(head.weight.detach().float(), dim=1), s.index.projection)
+    codes = s.index.encode(s.index.unit_rows(head.weight.detach(), normalise=False))
     assert not torch.equal(before, codes)  # the last step changed rows: codes are stale
     head(x, y)  # re-encodes exactly the rows the last step changed (lazy updates)
     assert torch.equal(s.index.list_codes[s.index.position], codes)
@@ -302,5 +302,5 @@ def test_background_rebuild_is_adopted_and_rows_changed_meanwhile_are_re_encoded
     opt.zero_grad()
     assert s._pending is None and s.index.builds == 2 and s.built_at == 2
     head(x, y)  # every row's code now matches the current weights
-    codes = encode(F.normalize(head.weight.detach().float(), dim=1), s.index.projection)
+    codes = s.index.encode(s.index.unit_rows(head.weight.detach(), normalise=False))
     assert torch.equal(s.index.list_codes[s.index.position], codes)

@@ -18,7 +18,8 @@ import torch
 
 from ds_xc_ops.hamming import pack_signs, pack_signs_min_abs
 
-__all__ = ["random_projection", "itq_projection", "encode", "encode_with_margins", "pack"]
+__all__ = ["random_projection", "itq_projection", "encode", "encode_with_margins", "pack", "resolve_precision",
+           "bf16_matmul_native"]
 
 
 def _orthogonal(dim: int, gen: torch.Generator) -> torch.Tensor:
@@ -73,16 +74,49 @@ def pack(v: torch.Tensor) -> torch.Tensor:
     return ((words * _GATHER_BITS) >> 56).to(torch.uint8)
 
 
-def encode(x: torch.Tensor, projection: torch.Tensor, chunk: int = 1 << 13) -> torch.Tensor:
+def bf16_matmul_native(device: torch.device) -> bool:
+    """Whether bf16 matmuls run on bf16 hardware here: CUDA with bf16, or a CPU whose flags (Linux
+    /proc/cpuinfo) list AVX512_BF16 or AMX-BF16; elsewhere they are emulated and slower than float32."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    if _CPU_BF16[0] is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+        except OSError:
+            flags = []
+        _CPU_BF16[0] = "avx512_bf16" in flags or "amx_bf16" in flags
+    return _CPU_BF16[0]
+
+
+_CPU_BF16 = [None]  # cached /proc/cpuinfo answer
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """``code_precision`` as used on ``device``: "auto" -> "bfloat16" where bf16 matmuls are native."""
+    if precision not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"code_precision={precision!r}: allowed 'auto', 'float32', 'bfloat16'")
+    if precision == "auto":
+        return "bfloat16" if bf16_matmul_native(device) else "float32"
+    return precision
+
+
+def encode(x: torch.Tensor, projection: torch.Tensor, chunk: int = 1 << 13, precision: str = "float32") -> torch.Tensor:
     """Packed codes (n, b // 8) uint8 of the rows of x (n, d), in row chunks (the float
     projections of a chunk, chunk x b x 4 bytes, are the memory this costs: 16 MiB at 512 bits).
 
-    Signs do not depend on the row norms, so x need not be normalised.
+    Signs do not depend on the row norms, so x need not be normalised. ``precision`` "bfloat16":
+    x and the projection rounded to bf16, products summed in float32 by the bf16 matmul, the signs
+    of its (float32-converted) output.
     """
     out = torch.empty((x.shape[0], projection.shape[1] // 8), dtype=torch.uint8, device=x.device)
-    p = projection.to(x.device)
+    low = precision == "bfloat16"
+    p = projection.to(x.device, torch.bfloat16 if low else torch.float32)
     for a in range(0, x.shape[0], chunk):
-        out[a: a + chunk] = pack(x[a: a + chunk].float() @ p)
+        rows = x[a: a + chunk]
+        out[a: a + chunk] = pack((rows.to(torch.bfloat16) @ p).float() if low else rows.float() @ p)
     return out
 
 

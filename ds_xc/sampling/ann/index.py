@@ -31,7 +31,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ds_xc.sampling.ann.codes import encode, encode_with_margins, itq_projection, random_projection
+from ds_xc.sampling.ann.codes import (encode, encode_with_margins, itq_projection, random_projection,
+                                      resolve_precision)
 from ds_xc.sampling.ann.ivf import assign, build_lists, kmeans_sample, spherical_kmeans
 from ds_xc_ops import rows as native_rows
 from ds_xc_ops.hamming import hamming_topk_ivf
@@ -64,9 +65,12 @@ class AnnIndex:
     track_max_share, retry_every = 0.5, 64
 
     def __init__(self, dim: int, code_bits: int, rotation: str = "random", nlist: int = 0,
-                 kmeans_iterations: int = 10, seed: int = 0, backend: str = "auto", metric: str = "cosine"):
+                 kmeans_iterations: int = 10, seed: int = 0, backend: str = "auto", metric: str = "cosine",
+                 code_precision: str = "float32"):
         if metric not in ("cosine", "dot"):
             raise ValueError(f"metric={metric!r}: allowed 'cosine', 'dot'")
+        resolve_precision(code_precision, torch.device("cpu"))  # checks the name
+        self.code_precision = code_precision  # of the untracked encodes (see encode); tracking: float32
         self.metric, self.max_norm = metric, None
         dim = dim + 1 if metric == "dot" else dim  # the extra coordinate of the MIPS reduction
         self.dim, self.code_bits, self.rotation = dim, code_bits, rotation
@@ -143,11 +147,16 @@ class AnnIndex:
         self.builds += 1
         log.debug("ANN index built: %d rows, %d lists, %d bits", rows, c, self.code_bits)
 
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Codes (n, b/8) of the rows x (n, d) as this index encodes untracked rows and queries
+        (``code_precision``; tracked rows are encoded in float32, see :meth:`refresh`)."""
+        return encode(x, self.projection, precision=resolve_precision(self.code_precision, x.device))
+
     def _encode(self, u: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Codes (R, b/8) of the projected vectors u (R, d) of local rows ``rows`` (ids (R,) or a slice),
         recording what they were encoded from and their safe radius (see :meth:`refresh`)."""
         if self.encoded_from is None:  # not tracking: the codes only
-            return encode(u, self.projection)
+            return self.encode(u)
         codes, margins = encode_with_margins(u, self.projection)
         unit = _matmul_roundoff(u.device)
         self.encoded_from[rows] = F.normalize(u.float(), dim=1)  # (R, d)
@@ -250,7 +259,7 @@ class AnnIndex:
         """
         q = self.unit_queries(queries)
         probes = self.probe(q, nprobe, scan_rows)
-        codes = encode(q, self.projection)  # (N, b/8)
+        codes = self.encode(q)  # (N, b/8)
         _, ids = hamming_topk_ivf(codes, self.list_codes, self.list_ids, self.list_offsets, probes, k,
                                   backend=self.backend, check=False)
         return ids
@@ -297,7 +306,9 @@ def exact_cosine_rerank(queries: torch.Tensor, weight: torch.Tensor, candidates:
     """Re-order candidates (N, R) (-1 = none) by the exact cosine (or dot product) with
     queries (N, d); keep k.
 
-    The candidate rows are gathered ``chunk`` queries at a time into one reused buffer
+    float32 rows on CPU: one kernel scores every candidate (``ds_xc_ops.rows.rerank_scores``: each
+    row read once, prefetched ahead). Otherwise the candidate rows are gathered ``chunk`` queries at
+    a time into one reused buffer
     (``ds_xc_ops.rows.gather_rows``, rows prefetched ahead): the gather of N R random rows is most
     of the cost, and a fresh (chunk, R, d) tensor per chunk costs page faults on top of it (a 2-3x
     slower re-rank measured at chunk 128 with advanced indexing).
@@ -305,6 +316,13 @@ def exact_cosine_rerank(queries: torch.Tensor, weight: torch.Tensor, candidates:
     n_rows, r = candidates.shape
     out = torch.full((n_rows, k), -1, dtype=torch.int64, device=candidates.device)
     w_all = weight.detach()
+    scores = native_rows.rerank_scores(queries.float().contiguous(), w_all, candidates.contiguous(),
+                                       metric == "cosine")  # (N, R), one pass over the rows (float32, CPU)
+    if scores is not None:
+        top = torch.topk(scores, min(k, r), dim=1)
+        picked = candidates.gather(1, top.indices)
+        out[:, : picked.shape[1]] = torch.where(torch.isfinite(top.values), picked, -1)
+        return out
     buf = w_all.new_empty((min(chunk, n_rows) * r, w_all.shape[1]))  # (chunk R, d), reused
     for a in range(0, n_rows, chunk):
         cand = candidates[a: a + chunk]  # (n, R)

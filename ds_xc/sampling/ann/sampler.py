@@ -99,7 +99,7 @@ class AnnSampler(Sampler):
     def _new_index(self, dim: int) -> AnnIndex:
         c = self.config
         return AnnIndex(dim, c.code_bits, c.rotation, c.nlist, c.kmeans_iterations, self.index_seed, c.backend,
-                        metric=self.metric)
+                        metric=self.metric, code_precision=c.code_precision)
 
     def rebuild(self, weight: torch.Tensor) -> None:
         """Rebuild the index from ``weight`` now (k-means, lists, every code)."""
