@@ -30,7 +30,7 @@ backbone               ZeRO 0, fp32: 4 p params + 4 p grads + optimizer state (A
                        2 p grads + 4 p fp32 master + 4 p fp32 grads + state; ZeRO 1/2: the
                        fp32 master and the state divided by P (and the grads at stage 2)
 head_workspace         the scratch the head keeps between steps (ds_xc/head/workspace.py), each
-                       buffer only if at most 64 MiB: the logits n K s; the active rows K d e
+                       buffer only if at most 256 MiB: the logits n K s; the active rows K d e
                        (sampled heads); cosine losses with float32/float64 weights: the rows with
                        their factors s/|w| folded in, K d s (K = L for the full sampler)
 compression            4 p (error-feedback residual) + 4 p (momentum_correction > 0): an

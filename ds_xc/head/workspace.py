@@ -4,10 +4,12 @@ Each step of a sampled head needs an (n, K) logits scratch and a (K, d) copy of 
 weight rows. Allocated fresh, every step pays the page faults of new memory on CPU (glibc hands
 blocks of more than 32 MiB, and freed ones above its trim threshold, back to the system): 39,000
 minor faults and about 65 ms per step for the ANN head at 10^6 classes on one core, 7% of its
-step. :class:`Workspace` keeps buffers up to ``keep_bytes`` (64 MiB) each and hands them out again;
-larger ones (the exact head's scratch of C_local columns, hundreds of MiB) stay transient so that
-the memory is free for the backbone between steps. On CUDA the caching allocator already reuses
-blocks; the workspace changes nothing there but the bookkeeping.
+step. :class:`Workspace` keeps buffers up to ``keep_bytes`` (256 MiB) each and hands them out again;
+larger ones (an exact head's scratch over the columns of a large shard) stay transient so that
+the memory is free for the backbone between steps. 256 MiB holds a sampled head's one-chunk
+logits at its defaults (the global batch in one chunk: 512 x 10^5 float32 is 195 MiB), the
+fastest layout of its matmuls; the memory is what each step allocates anyway, held between steps
+as CUDA's caching allocator holds it. On CUDA the workspace changes nothing but the bookkeeping.
 
 A buffer handed out is only valid until the next request of the same name: the callers use them
 as scratch inside one forward (the fused loss reads the active rows and the logits during its
@@ -23,7 +25,7 @@ from ds_xc_ops import rows as native_rows
 
 __all__ = ["Workspace", "KEEP_BYTES", "gather_rows"]
 
-KEEP_BYTES = 64 << 20  # largest buffer kept between steps
+KEEP_BYTES = 256 << 20  # largest buffer kept between steps
 
 
 class Workspace:
