@@ -68,9 +68,9 @@ def variant_spec(name: str, rate: float, ann_overrides: dict, update: str | None
 
 def head_section(spec: dict, num_classes: int) -> dict:
     """The ``extreme_classification`` section a job would hold for this variant."""
+    chunk = {"chunk_size": spec["chunk"]} if spec["chunk"] else {}  # 0: not named, the library default
     return {"num_classes": num_classes, "embedding_dim": spec["dim"], "loss": LOSSES[spec["loss"]],
-            "sampler": spec["sampler"], "chunk_size": spec["chunk"], "check_inputs": False,
-            "optimizer": spec["optimizer"]}
+            "sampler": spec["sampler"], **chunk, "check_inputs": False, "optimizer": spec["optimizer"]}
 
 
 # ---------------------------------------------------------------------------- one rank
@@ -258,7 +258,8 @@ def run_variant(args, world: int, name: str, sampler_overrides: dict | None = No
     """Spawn one configuration and summarise it (used by ann_groups.py too)."""
     v = variant_spec(name, args.sample_rate, dict(args.ann_overrides, **(sampler_overrides or {})), args.update)
     spec = dict(v, world=world, variant=label or name, num_classes=args.num_classes, dim=args.dim,
-                batch=args.batch, loss=args.loss, chunk=args.chunk, steps=args.steps, warmup=args.warmup,
+                batch=args.batch, loss=args.loss, chunk=args.chunk if name == "exact" else args.sampled_chunk,
+                steps=args.steps, warmup=args.warmup,
                 threads=args.threads_1 if world == 1 else 1, timeout=args.timeout)
     load0 = load_average()
     t0 = time.perf_counter()
@@ -292,7 +293,10 @@ def add_common_args(p, smoke_classes: int = 20_000) -> None:
     p.add_argument("--sample_rate", type=float, default=0.1, help="sample rate of the sampled heads")
     p.add_argument("--ann", action="append", default=[], metavar="KEY=JSON",
                    help="override an ann sampler key, e.g. --ann nprobe=16 (repeatable)")
-    p.add_argument("--chunk", type=int, default=128, help="chunk_size of every variant (configs/text_exact_20k.json: 128)")
+    p.add_argument("--chunk", type=int, default=128, help="chunk_size of the exact head (configs/text_exact_20k.json: "
+                   "128)")
+    p.add_argument("--sampled_chunk", type=int, default=0, help="chunk_size of the sampled heads (0: not named, the "
+                   "library default: the global batch in one chunk)")
     p.add_argument("--worlds", "--ranks", dest="worlds", type=str, default="1,2",
                    help="comma-separated world sizes, e.g. 1,2,4 (more ranks than cores time-share them: "
                         "read the CPU seconds per rank)")

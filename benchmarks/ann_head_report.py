@@ -30,7 +30,9 @@ def header(title: str, args, command: str, started: str, wall_s: float, hwm_ok: 
         f"{usable_cores()} cores usable (os.cpu_count() = {os.cpu_count()}); load average (1/5/15 min) "
         f"at start / end of each configuration in the `load` column (other jobs share these cores)",
         f"- head: {args.num_classes:,} classes, d={args.dim}, global batch {args.batch}, float32, chunk_size "
-        f"{args.chunk}, loss {json.dumps(LOSSES[args.loss])}, check_inputs off, SGD {json.dumps(SGD)}; "
+        f"{args.chunk} (exact), " + (f"{args.sampled_chunk}" if args.sampled_chunk else "not named (the library "
+                                     "default: one chunk)") + " (sampled heads), "
+        f"loss {json.dumps(LOSSES[args.loss])}, check_inputs off, SGD {json.dumps(SGD)}; "
         f"sampled heads: {update} (exact: the default)",
         f"- sampler configs: {{'type', 'sample_rate': {args.sample_rate}}} only"
         + (f", ann overrides {json.dumps(args.ann_overrides)}" if args.ann_overrides else "")

@@ -60,8 +60,9 @@ def head_section(spec: dict, name: str) -> dict:
     optimizer = dict(SGD)
     if spec["update"] and name in SAMPLED:
         optimizer["update"] = spec["update"]
+    chunk = spec["chunk"] if name == "exact" else spec["sampled_chunk"]
     return {"num_classes": spec["num_classes"], "embedding_dim": spec["dim"], "loss": LOSSES[spec["loss"]],
-            "sampler": sampler, "chunk_size": spec["chunk"], "optimizer": optimizer}
+            "sampler": sampler, **({"chunk_size": chunk} if chunk else {}), "optimizer": optimizer}
 
 
 # ---------------------------------------------------------------------------- one rank
@@ -218,7 +219,9 @@ def header(args, command: str, started: str, wall_s: float, load0: str, torch_ve
         f"- head: {args.num_classes:,} classes, d={args.dim}, global batch {args.batch} (split evenly), float32, "
         f"loss {json.dumps(LOSSES[args.loss])} for every variant",
         f"- ds_xc variants: `ClassParallelHead.from_config` of {{num_classes, embedding_dim, loss, sampler, "
-        f"chunk_size: {args.chunk}, optimizer: {json.dumps(SGD)}"
+        f"chunk_size: {args.chunk} (exact; uniform and ann: "
+        + (f"{args.sampled_chunk}" if args.sampled_chunk else "not named, the library default: one chunk")
+        + f"), optimizer: {json.dumps(SGD)}"
         + (f" + update {args.update!r} for uniform and ann" if args.update else " (update not named: the library "
            "default, in the `update` column)")
         + f"}}; sampler {{\"type\": \"full\"}}, or {json.dumps(sampled)} (uniform likewise): other keys at "
@@ -287,7 +290,9 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=512, help="global batch N (split evenly over the ranks)")
     p.add_argument("--sample_rate", type=float, default=0.1, help="sample rate of pfc, uniform and ann")
     p.add_argument("--loss", choices=sorted(LOSSES), default="arcface", help="margin of every variant (s=64)")
-    p.add_argument("--chunk", type=int, default=128, help="chunk_size of the ds_xc heads (configs/default.json)")
+    p.add_argument("--chunk", type=int, default=128, help="chunk_size of the exact ds_xc head (configs/default.json)")
+    p.add_argument("--sampled_chunk", type=int, default=0, help="chunk_size of the uniform and ann heads (0: not "
+                   "named, the library default: the global batch in one chunk)")
     p.add_argument("--update", choices=("dense", "lazy", "frozen", "lazy_exact"), default=None,
                    help="force optimizer.update of the uniform and ann heads (default: not named, the library's)")
     p.add_argument("--variants", type=str, default=",".join(VARIANTS),
@@ -329,7 +334,8 @@ def main(argv=None) -> list:
     for world in args.world_list:
         spec = {"world": world, "threads": 1, "timeout": args.timeout, "variants": args.variant_list,
                 "num_classes": args.num_classes, "dim": args.dim, "batch": args.batch, "loss": args.loss,
-                "sample_rate": args.sample_rate, "chunk": args.chunk, "update": args.update,
+                "sample_rate": args.sample_rate, "chunk": args.chunk, "sampled_chunk": args.sampled_chunk,
+                "update": args.update,
                 "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds}
         t = time.perf_counter()
         mine = summarise(world, spawn_ranks(spec, run_rank), args.variant_list)
