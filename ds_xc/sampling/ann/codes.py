@@ -109,7 +109,8 @@ def encode(x: torch.Tensor, projection: torch.Tensor, chunk: int = 1 << 13, prec
 
     Signs do not depend on the row norms, so x need not be normalised. ``precision`` "bfloat16":
     x and the projection rounded to bf16, products summed in float32 by the bf16 matmul, the signs
-    of its (float32-converted) output.
+    of its (float32-converted) output; bf16 rounding is relative, so there a rescaled row may flip
+    a bit whose projection is within rounding of zero.
     """
     out = torch.empty((x.shape[0], projection.shape[1] // 8), dtype=torch.uint8, device=x.device)
     low = precision == "bfloat16"
