@@ -65,10 +65,10 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
 def pack_signs_min_abs(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(pack_signs(z), z.abs().amin(dim=1)) of projections z (n, bits): the codes and each row's
     smallest |projection| (how far it is from flipping a bit), in one pass of the CPU op for a
-    contiguous float32 CPU tensor (``DS_XC_HAMMING_SIMD=0``: its scalar loop), else torch ops.
-    The same values either way (NaN: bit 0, min NaN)."""
-    if z.dim() == 2 and z.dtype == torch.float32 and z.device.type == "cpu" and z.is_contiguous() \
-            and z.shape[1] % 8 == 0:
+    contiguous float32 or bfloat16 CPU tensor (``DS_XC_HAMMING_SIMD=0``: its scalar loop), else
+    torch ops. The same values either way (NaN: bit 0, min NaN); min_abs is float32 from the op."""
+    if z.dim() == 2 and z.dtype in (torch.float32, torch.bfloat16) and z.device.type == "cpu" \
+            and z.is_contiguous() and z.shape[1] % 8 == 0:
         op = _cpu_op()
         if op is not None:
             codes, min_abs = op.pack_signs_min_abs(z)

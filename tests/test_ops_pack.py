@@ -63,11 +63,27 @@ def test_scalar_path_forced_equals_vector_path(cpu_op, tmp_path):
     z = _projections(257, 520, seed=3)
     torch.save(z, tmp_path / "z.pt")
     code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); from ds_xc_ops import builders; "
-            "op = builders.load_op('cpu'); torch.save(op.pack_signs_min_abs(torch.load(sys.argv[2])), sys.argv[3])")
+            "op = builders.load_op('cpu'); z = torch.load(sys.argv[2]); "
+            "torch.save((op.pack_signs_min_abs(z), op.pack_signs_min_abs(z.bfloat16())), sys.argv[3])")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run([sys.executable, "-c", code, root, str(tmp_path / "z.pt"), str(tmp_path / "out.pt")],
                    env=dict(os.environ, DS_XC_HAMMING_SIMD="0"), check=True, timeout=600)
-    codes, min_abs = torch.load(tmp_path / "out.pt")
+    (codes, min_abs), (codes16, min16) = torch.load(tmp_path / "out.pt")
     _check(codes, min_abs, z)
     vec = cpu_op.pack_signs_min_abs(z)
     assert torch.equal(vec[0], codes) and torch.equal(vec[1].nan_to_num(-1.0), min_abs.nan_to_num(-1.0))
+    vec16 = cpu_op.pack_signs_min_abs(z.bfloat16())
+    assert torch.equal(vec16[0], codes16) and torch.equal(vec16[1].nan_to_num(-1.0), min16.nan_to_num(-1.0))
+    assert torch.equal(codes16, H.pack_signs(z.bfloat16()))
+
+
+@pytest.mark.parametrize("bits", [8, 24, 256, 512, 520])
+def test_op_takes_bfloat16(cpu_op, bits):
+    """bf16 projections (the ANN codes' bf16 matmul output) are packed without a float32 copy: the same
+    codes as pack_signs and the same min |z| (float32) as torch, NaN and +-inf included."""
+    z = _projections(300, bits, seed=bits).bfloat16()
+    codes, min_abs = cpu_op.pack_signs_min_abs(z)
+    assert min_abs.dtype == torch.float32
+    _check(codes, min_abs.bfloat16(), z)
+    assert torch.equal(min_abs.isnan(), z.abs().amin(dim=1).isnan())
+    assert torch.equal(pack(z), H.pack_signs(z))

@@ -63,9 +63,9 @@ def pack(v: torch.Tensor) -> torch.Tensor:
 
     The 8 booleans of each output byte are read as one int64 (a bool is one byte of 0 or
     1) and gathered into its top byte by one multiplication (wrapping), no per-bit passes.
-    A contiguous float32 CPU tensor goes to the one-pass CPU op instead.
+    A contiguous float32 or bfloat16 CPU tensor goes to the one-pass CPU op instead.
     """
-    if v.dtype == torch.float32 and v.device.type == "cpu":
+    if v.dtype in (torch.float32, torch.bfloat16) and v.device.type == "cpu":
         return pack_signs_min_abs(v.contiguous())[0]
     if sys.byteorder != "little":  # the trick reads bytes in little-endian order
         return pack_signs(v)
@@ -109,7 +109,7 @@ def encode(x: torch.Tensor, projection: torch.Tensor, chunk: int = 1 << 13, prec
 
     Signs do not depend on the row norms, so x need not be normalised. ``precision`` "bfloat16":
     x and the projection rounded to bf16, products summed in float32 by the bf16 matmul, the signs
-    of its (float32-converted) output; bf16 rounding is relative, so there a rescaled row may flip
+    of its output (rounded to bf16, which keeps every sign); bf16 rounding is relative, so there a rescaled row may flip
     a bit whose projection is within rounding of zero.
     """
     out = torch.empty((x.shape[0], projection.shape[1] // 8), dtype=torch.uint8, device=x.device)
@@ -117,7 +117,7 @@ def encode(x: torch.Tensor, projection: torch.Tensor, chunk: int = 1 << 13, prec
     p = projection.to(x.device, torch.bfloat16 if low else torch.float32)
     for a in range(0, x.shape[0], chunk):
         rows = x[a: a + chunk]
-        out[a: a + chunk] = pack((rows.to(torch.bfloat16) @ p).float() if low else rows.float() @ p)
+        out[a: a + chunk] = pack(rows.to(torch.bfloat16) @ p if low else rows.float() @ p)  # bf16 output: same signs
     return out
 
 
