@@ -1,23 +1,16 @@
 """ds_xc_ops.hamming.pack_signs_min_abs: the CPU op's one-pass sign codes and smallest |projection|
 against the torch definitions (pack_signs, abs().amin), on its vector and scalar paths."""
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from ds_xc_ops import builders
 from ds_xc_ops import hamming as H
 from ds_xc.sampling.ann.codes import encode_with_margins, pack
+from tests.native_ops import built_op, call_in_process
 
 
 @pytest.fixture(scope="module")
 def cpu_op():
-    op = builders.load_op("cpu")
-    if op is None:
-        pytest.skip("the CPU op does not build here")
-    return op
+    return built_op("cpu")
 
 
 def _projections(rows: int, bits: int, seed: int = 0) -> torch.Tensor:
@@ -61,14 +54,9 @@ def test_fallbacks_and_errors(cpu_op):
 def test_scalar_path_forced_equals_vector_path(cpu_op, tmp_path):
     """DS_XC_HAMMING_SIMD=0 (read once per process) selects the scalar loop; both give the same bytes."""
     z = _projections(257, 520, seed=3)
-    torch.save(z, tmp_path / "z.pt")
-    code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); from ds_xc_ops import builders; "
-            "op = builders.load_op('cpu'); z = torch.load(sys.argv[2]); "
-            "torch.save((op.pack_signs_min_abs(z), op.pack_signs_min_abs(z.bfloat16())), sys.argv[3])")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    subprocess.run([sys.executable, "-c", code, root, str(tmp_path / "z.pt"), str(tmp_path / "out.pt")],
-                   env=dict(os.environ, DS_XC_HAMMING_SIMD="0"), check=True, timeout=600)
-    (codes, min_abs), (codes16, min16) = torch.load(tmp_path / "out.pt")
+    (codes, min_abs), (codes16, min16) = call_in_process(
+        "cpu", {"DS_XC_HAMMING_SIMD": "0"}, "(op.pack_signs_min_abs(a), op.pack_signs_min_abs(a.bfloat16()))", z,
+        tmp_path)
     _check(codes, min_abs, z)
     vec = cpu_op.pack_signs_min_abs(z)
     assert torch.equal(vec[0], codes) and torch.equal(vec[1].nan_to_num(-1.0), min_abs.nan_to_num(-1.0))

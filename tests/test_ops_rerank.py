@@ -1,25 +1,16 @@
 """ds_xc_ops.rows.rerank_scores, the ANN re-rank's one-pass scores of candidate rows, against a float64
 reference on its AVX-512 and plain paths, and exact_cosine_rerank with and without it."""
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from ds_xc.sampling.ann.index import exact_cosine_rerank
-from ds_xc_ops import builders
 from ds_xc_ops import rows as native_rows
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.native_ops import built_op, call_in_process
 
 
 @pytest.fixture(scope="module")
 def op():
-    op = builders.load_op("rows")
-    if op is None:
-        pytest.skip("the rows op does not build here")
-    return op
+    return built_op("rows")
 
 
 def _case(d: int, seed: int = 0):
@@ -57,13 +48,8 @@ def test_scores_equal_float64(op, d, cosine):
 def test_plain_path_forced_equals_float64(op, tmp_path):
     """DS_XC_ROWS_SIMD=0 (read once per process) takes the plain loop."""
     q, w, cand = _case(37, seed=3)
-    torch.save((q, w, cand), tmp_path / "in.pt")
-    code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); from ds_xc_ops import builders; "
-            "op = builders.load_op('rows'); q, w, c = torch.load(sys.argv[2]); "
-            "torch.save((op.simd(), op.rerank_scores(q, w, c, True)), sys.argv[3])")
-    subprocess.run([sys.executable, "-c", code, ROOT, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
-                   env=dict(os.environ, DS_XC_ROWS_SIMD="0"), check=True, timeout=600)
-    path, got = torch.load(tmp_path / "out.pt")
+    path, got = call_in_process("rows", {"DS_XC_ROWS_SIMD": "0"}, "(op.simd(), op.rerank_scores(*a, True))",
+                                (q, w, cand), tmp_path)
     assert path == "scalar"
     want = _reference(q, w, cand, True)
     fin = torch.isfinite(want)

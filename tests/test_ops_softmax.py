@@ -1,27 +1,18 @@
 """ds_xc_ops.softmax_rows.exp_rows_: the CPU op's row max, in-place exponentials and row sums against
 float64 references and torch's passes, on its vector (AVX-512) and scalar paths; and the fused loss
 with the op against the loss without it."""
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from ds_xc.head.margins import build_loss
 from ds_xc.head.softmax import fused_loss_and_grads
-from ds_xc_ops import builders
 from ds_xc_ops import softmax_rows as S
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.native_ops import built_op, call_in_process
 
 
 @pytest.fixture(scope="module")
 def op():
-    op = builders.load_op("softmax")
-    if op is None:
-        pytest.skip("the softmax op does not build here")
-    return op
+    return built_op("softmax")
 
 
 def _ulps(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -94,13 +85,8 @@ def test_scalar_path_forced_equals_float64(op, tmp_path):
     """DS_XC_SOFTMAX_SIMD=0 (read once per process) selects the scalar loop (std::exp, float64 sums)."""
     x = torch.randn(7, 1001) * 9
     x[2, 4] = float("nan")
-    torch.save(x, tmp_path / "x.pt")
-    code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); from ds_xc_ops import builders; "
-            "op = builders.load_op('softmax'); x = torch.load(sys.argv[2]); r = op.exp_rows(x, 0.0); "
-            "torch.save((x, *r, op.simd_enabled()), sys.argv[3])")
-    subprocess.run([sys.executable, "-c", code, ROOT, str(tmp_path / "x.pt"), str(tmp_path / "out.pt")],
-                   env=dict(os.environ, DS_XC_SOFTMAX_SIMD="0"), check=True, timeout=600)
-    y, m, s, simd = torch.load(tmp_path / "out.pt")
+    y, m, s, simd = call_in_process("softmax", {"DS_XC_SOFTMAX_SIMD": "0"},
+                                    "(a, *op.exp_rows(a, 0.0), op.simd_enabled())", x, tmp_path)
     assert simd is False
     y2 = x.clone()
     m2, s2 = op.exp_rows(y2, 0.0)
