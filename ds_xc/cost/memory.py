@@ -214,17 +214,21 @@ def _compression(raw: dict, params: int) -> dict:
     return {"compression": 4 * params * (int(c.error_feedback) + int(c.momentum_correction > 0.0))}
 
 
+def _dense_rows(head: cfg.HeadConfig, sh: _Shape) -> bool:
+    """Whether the head uses its whole shard as the active rows (the full sampler): no gathered copy."""
+    return sh.K >= sh.L and head.sampler.type == "full"
+
+
 def _workspace(head: cfg.HeadConfig, sh: _Shape) -> dict:
     """The head's kept scratch (module docstring, head_workspace): {buffer: bytes}, kept ones only."""
-    dense_rows = sh.K >= sh.L and head.sampler.type == "full"
-    sizes = {"logits": sh.n * sh.K * sh.s, "active_rows": 0 if dense_rows else sh.K * sh.d * sh.e,
+    sizes = {"logits": sh.n * sh.K * sh.s, "active_rows": 0 if _dense_rows(head, sh) else sh.K * sh.d * sh.e,
              "folded": sh.K * sh.d * sh.s if head.loss.type != "softmax" and sh.e == sh.s else 0}
     return {k: v for k, v in sizes.items() if 0 < v <= KEEP_BYTES}
 
 
 def _train_phases(head: cfg.HeadConfig, sh: _Shape, update: str) -> dict:
     """{phase: {component: bytes}} of a training step (module docstring)."""
-    dense_rows = sh.K >= sh.L and head.sampler.type == "full"
+    dense_rows = _dense_rows(head, sh)
     kept = _workspace(head, sh)
     forward = {"gathered_embeddings": 4 * sh.N * sh.d + 8 * sh.N, "embedding_grad": sh.s * sh.N * sh.d,
                "active_weights": 0 if dense_rows or "active_rows" in kept else sh.G * sh.K * sh.d * sh.e,

@@ -125,12 +125,19 @@ struct Selector {
     if (buf.size() >= cap) compact();
   }
 
-  void compact() {
+  // Drops the pairs above the bound; then, if more than `over` remain, keeps the k smallest (unordered)
+  // and says so.
+  bool trim(size_t over) {
     const int32_t b = bound;
     buf.erase(std::remove_if(buf.begin(), buf.end(), [b](const Pair& p) { return p.first > b; }), buf.end());
-    if (buf.size() < cap / 2) return;
+    if (buf.size() <= over) return false;
     std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.end());
     buf.resize(k);
+    return true;
+  }
+
+  void compact() {
+    if (!trim(cap / 2 - 1)) return;  // cut to k only while ties at the bound fill half the buffer
     std::fill(hist.begin(), hist.end(), 0);
     for (const Pair& p : buf) ++hist[p.first];
     bound = buf[k - 1].first;  // the k-th smallest pair's distance (nth_element puts the rest before)
@@ -288,13 +295,8 @@ void sampled_bounds(const Args& a, int64_t q0, int64_t q1, const std::vector<std
 
 void finish_query(const Args& a, int64_t i, Selector& sel) {
   const int bits = a.nbytes * 8;
+  sel.trim(static_cast<size_t>(a.k));
   std::vector<Pair>& buf = sel.buf;
-  const int32_t b = sel.bound;
-  buf.erase(std::remove_if(buf.begin(), buf.end(), [b](const Pair& p) { return p.first > b; }), buf.end());
-  if (buf.size() > static_cast<size_t>(a.k)) {
-    std::nth_element(buf.begin(), buf.begin() + (a.k - 1), buf.end());
-    buf.resize(a.k);
-  }
   std::sort(buf.begin(), buf.end());
   int32_t* od = a.out_d + i * a.k;
   int64_t* oi = a.out_i + i * a.k;

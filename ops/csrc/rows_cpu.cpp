@@ -182,6 +182,12 @@ void adamw_step(at::Tensor w, at::Tensor m, at::Tensor v, at::Tensor rows, at::T
 // that the hardware prefetcher does not start across pages (torch's index_select waits on each).
 constexpr int64_t kGatherAhead = 8;
 
+// Asks for the `bytes` bytes at p, one cache line at a time, for reading (the gathers' rows ahead).
+inline void prefetch_read(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 0);
+}
+
 void gather_rows(at::Tensor src, at::Tensor idx, at::Tensor out) {
   const int64_t n = idx.numel(), num = src.size(0);
   const int64_t* r = idx.data_ptr<int64_t>();
@@ -193,10 +199,7 @@ void gather_rows(at::Tensor src, at::Tensor idx, at::Tensor out) {
   char* o = static_cast<char*>(out.data_ptr());
   at::parallel_for(0, n, kGrain, [&](int64_t a, int64_t b) {
     for (int64_t i = a; i < b; ++i) {
-      if (i + kGatherAhead < b) {
-        const char* next = in + r[i + kGatherAhead] * row_bytes;
-        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + off, 0, 0);
-      }
+      if (i + kGatherAhead < b) prefetch_read(in + r[i + kGatherAhead] * row_bytes, row_bytes);
       std::memcpy(o + i * row_bytes, in + r[i] * row_bytes, static_cast<size_t>(row_bytes));
     }
   });
@@ -274,10 +277,7 @@ at::Tensor rerank_scores(at::Tensor q, at::Tensor w, at::Tensor cand, bool cosin
   const bool wide = avx512f_rows();
   at::parallel_for(0, n * r, kGrain, [&](int64_t a, int64_t b) {
     for (int64_t e = a; e < b; ++e) {
-      if (e + kGatherAhead < b && c[e + kGatherAhead] >= 0) {
-        const char* next = reinterpret_cast<const char*>(wp + c[e + kGatherAhead] * d);
-        for (int64_t off = 0; off < d * 4; off += 64) __builtin_prefetch(next + off, 0, 0);
-      }
+      if (e + kGatherAhead < b && c[e + kGatherAhead] >= 0) prefetch_read(wp + c[e + kGatherAhead] * d, d * 4);
       if (c[e] < 0) {
         op[e] = -std::numeric_limits<float>::infinity();
         continue;
