@@ -2,8 +2,9 @@
 
 ``HammingBuilder`` (C++/OpenMP, ops/csrc/hamming_cpu.cpp), ``HammingCudaBuilder``
 (ops/csrc/hamming_cuda.cu + hamming_cuda_binding.cpp), ``RowsBuilder`` (the fused row
-kernels of the head optimizers' lazy steps, ops/csrc/rows_cpu.cpp) and ``SoftmaxBuilder`` (the
-softmax's row exponentials, ops/csrc/softmax_cpu.cpp) follow DeepSpeed's pattern:
+kernels of the head optimizers' lazy steps, ops/csrc/rows_cpu.cpp), ``SoftmaxBuilder`` (the
+softmax's row exponentials, ops/csrc/softmax_cpu.cpp) and ``SelectBuilder`` (the gradient compressors'
+threshold selection, ops/csrc/select_cpu.cpp) follow DeepSpeed's pattern:
 ``load()`` imports a prebuilt op if DeepSpeed's install recorded one, else JIT-compiles
 it with ninja through ``torch.utils.cpp_extension.load`` into the torch extensions cache
 (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions/py<ver>_<cpu|cuXYZ>/<name>``).
@@ -26,8 +27,8 @@ import time
 
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder, OpBuilder
 
-__all__ = ["HammingBuilder", "HammingCudaBuilder", "RowsBuilder", "SoftmaxBuilder", "load_op", "BUILDERS", "CSRC",
-           "plain_arch_list"]
+__all__ = ["HammingBuilder", "HammingCudaBuilder", "RowsBuilder", "SoftmaxBuilder", "SelectBuilder", "load_op",
+           "BUILDERS", "CSRC", "plain_arch_list"]
 
 logger = logging.getLogger(__name__)
 
@@ -143,13 +144,28 @@ class SoftmaxBuilder(_DsXcOp, OpBuilder):
         return ["-O3", "-Wall"]
 
 
-BUILDERS = {"cpu": HammingBuilder, "cuda": HammingCudaBuilder, "rows": RowsBuilder, "softmax": SoftmaxBuilder}
+class SelectBuilder(_DsXcOp, OpBuilder):
+    """C++ CPU kernel: the positions and values of |v| >= t in one counting and one writing pass
+    (AVX-512 compares, checked at run time; a scalar fallback)."""
+
+    NAME = "ds_xc_select_cpu"
+
+    def sources(self):
+        return [os.path.join(CSRC, "select_cpu.cpp")]
+
+    def cxx_args(self):
+        return ["-O3", "-Wall"]
+
+
+BUILDERS = {"cpu": HammingBuilder, "cuda": HammingCudaBuilder, "rows": RowsBuilder, "softmax": SoftmaxBuilder,
+            "select": SelectBuilder}
 _OPS: dict = {}  # kind -> loaded module, or None after a failed build (no retry)
 
 
 def load_op(kind: str, verbose: bool = False):
     """The built op module for `kind` ("cpu" or "cuda": the Hamming scan; "rows": the optimizers'
-    row kernels; "softmax": the softmax's row exponentials), or None if it cannot be built.
+    row kernels; "softmax": the softmax's row exponentials; "select": the compressors' threshold
+    selection), or None if it cannot be built.
 
     Builds (or loads from the cache) at most once per process; a failure is logged once
     as a warning, and callers fall back to the PyTorch implementation.

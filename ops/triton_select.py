@@ -1,8 +1,10 @@
 """Threshold selection with compaction: the indices and values of the entries with |v| >= t.
 
 The first step of the gradient compressors' selection (ds_xc/compression/bayes.py: the
-elements whose own coin is drawn), as one function with a PyTorch reference and a Triton
-kernel (GPU, or the CPU interpreter under TRITON_INTERPRET=1).
+elements whose own coin is drawn), as one function with a PyTorch reference, a Triton
+kernel (GPU, or the CPU interpreter under TRITON_INTERPRET=1) and a C++ kernel for float32
+CPU tensors (ops/csrc/select_cpu.cpp: one counting and one writing pass, no |v| copy or mask;
+``DS_XC_NATIVE_SELECT=0`` turns it off in "auto").
 
 Semantics (:func:`select_above_torch` defines them): for a floating tensor ``v`` of any
 shape, flattened to (n,), the result is ``(idx (m,) int64, val (m,) v.dtype)``: the flat
@@ -23,13 +25,17 @@ compare bfloat16 raw bits); the values are stored as loaded.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
+from ds_xc_ops import builders
 from ds_xc_ops.triton_util import HAVE_TRITON, triton_unusable_reason
 
-__all__ = ["select_above", "select_above_torch", "SELECT_BACKENDS", "TRITON_DTYPES", "DEFAULT_BLOCK"]
+__all__ = ["select_above", "select_above_torch", "SELECT_BACKENDS", "TRITON_DTYPES", "DEFAULT_BLOCK", "NATIVE_ENV"]
 
-SELECT_BACKENDS = ("auto", "torch", "triton")
+SELECT_BACKENDS = ("auto", "torch", "triton", "cpu")
+NATIVE_ENV = "DS_XC_NATIVE_SELECT"  # "0": "auto" never picks the C++ kernel
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DEFAULT_BLOCK = 1024
 
@@ -103,11 +109,28 @@ def _select_triton(v: torch.Tensor, threshold: float, block: int):
     return idx, val
 
 
+def _native_op(v: torch.Tensor, required: bool):
+    """The C++ op when it can take ``v`` (float32 on the CPU) and builds, else None (or an error if
+    ``required``)."""
+    why = None
+    if v.device.type != "cpu" or v.dtype != torch.float32:
+        why = f"a float32 CPU tensor is needed, got {v.dtype} on {v.device}"
+    op = builders.load_op("select") if why is None else None
+    if op is None and why is None:
+        why = "the ds_xc_select_cpu op did not build (see the warning logged by ds_xc_ops.builders)"
+    if why is not None and required:
+        raise ValueError(f"select_above: backend='cpu' cannot run here: {why}")
+    return op
+
+
 def _resolve(backend: str, v: torch.Tensor) -> str:
     if backend not in SELECT_BACKENDS:
         raise ValueError(f"select_above: backend = {backend!r} is not one of {SELECT_BACKENDS}")
-    if backend == "torch":
+    if backend in ("torch", "cpu"):
         return backend
+    if backend == "auto" and v.device.type == "cpu":
+        native = os.environ.get(NATIVE_ENV, "1") != "0" and _native_op(v, required=False) is not None
+        return "cpu" if native else "torch"
     why = triton_unusable_reason(v.device)
     if why is None and v.dtype not in TRITON_DTYPES:
         why = f"dtype {v.dtype} is not one of {[str(d) for d in TRITON_DTYPES]}"
@@ -122,14 +145,19 @@ def select_above(v: torch.Tensor, threshold: float, backend: str = "auto", block
     """(idx (m,) int64 ascending, val (m,) v.dtype): the entries of v.flatten() with |v| >= threshold.
 
     backend: "torch" (the reference), "triton" (CUDA tensors, or CPU tensors under
-    TRITON_INTERPRET=1; float32/float16/bfloat16), or "auto": triton for CUDA tensors
-    when it is usable and the dtype supported, else torch. Both give identical results.
+    TRITON_INTERPRET=1; float32/float16/bfloat16), "cpu" (the C++ kernel; float32 CPU tensors), or
+    "auto": for CUDA tensors triton when it is usable and the dtype supported, for float32 CPU
+    tensors the C++ kernel when it builds (and ``DS_XC_NATIVE_SELECT`` is not "0"), else torch.
+    All give identical results.
     block: entries per Triton program (a power of two, default 1024).
     """
     _check_v(v)
     block = DEFAULT_BLOCK if block is None else int(block)
     if block < 16 or block & (block - 1):
         raise ValueError(f"select_above: block = {block} must be a power of two >= 16")
-    if _resolve(backend, v) == "torch":
+    chosen = _resolve(backend, v)
+    if chosen == "torch":
         return select_above_torch(v, threshold)
+    if chosen == "cpu":
+        return _native_op(v, required=True).select_above(v.reshape(-1).contiguous(), _threshold32(threshold))
     return _select_triton(v, threshold, block)

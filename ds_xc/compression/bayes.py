@@ -162,25 +162,22 @@ def sample_indices(v: torch.Tensor, tau: float, rate: float, explore: Optional[t
     """Sorted unique indices of v kept by exploitation, p = min(1, (|v|/tau)^power), or exploration.
 
     ``rate`` is the thinning rate r; ``explore`` is the exploration table (None: none).
-    ``select(a, theta) -> (idx, a[idx])`` is the threshold pass a >= theta (ascending idx);
-    None: torch.nonzero (the compressors pass ds_xc_ops.triton_select.select_above on CUDA).
+    ``select(v, theta) -> (idx, v[idx])`` is the threshold pass |v| >= theta (ascending idx,
+    ds_xc_ops.triton_select.select_above's semantics: the compressors pass it, which runs a Triton
+    kernel on CUDA and a C++ one on the CPU); None: its PyTorch reference. Only that pass reads
+    all of v: the candidates are gathered.
     """
     n = v.numel()
-    a = v.abs()  # (n,)
     parts = []
     if tau <= 0.0:  # keep every nonzero element
-        parts.append(torch.nonzero(a).squeeze(1))
+        parts.append(torch.nonzero(v).squeeze(1))
     elif tau < math.inf:
         theta = tau * rate ** (1.0 / power)  # p_i >= r  <=>  |v_i| >= theta
-        if select is None:
-            own = torch.nonzero(a >= theta).squeeze(1)  # (n1,) elements with their own coin
-            a_own = a[own]
-        else:
-            own, a_own = select(a, theta)
+        own, v_own = (select or _select_torch)(v, theta)  # (n1,) elements with their own coin
         u = torch.rand(own.numel(), generator=gen, device=v.device)
-        parts.append(own[u < _prob(a_own, tau, power)])
+        parts.append(own[u < _prob(v_own.abs(), tau, power)])
         cand = bernoulli_positions(n, rate, gen, v.device)  # (n2,) ~ Bernoulli(r) each
-        a_cand = a[cand]
+        a_cand = v[cand].abs()
         u = torch.rand(cand.numel(), generator=gen, device=v.device)
         parts.append(cand[(a_cand < theta) & (u < _prob(a_cand, theta, power))])  # accept with p / r
     if explore is not None:
@@ -188,7 +185,7 @@ def sample_indices(v: torch.Tensor, tau: float, rate: float, explore: Optional[t
         if q_max > 0.0:
             cand = bernoulli_positions(n, q_max, gen, v.device)  # (n3,)
             if explore.numel() > 1:  # dirichlet: accept with q_bin / q_max
-                q = explore.to(v.device)[bin_of(a[cand], log2_hi, explore.numel())]
+                q = explore.to(v.device)[bin_of(v[cand].abs(), log2_hi, explore.numel())]
                 u = torch.rand(cand.numel(), generator=gen, device=v.device)
                 cand = cand[u.mul_(q_max) < q]
             parts.append(cand)
@@ -196,6 +193,12 @@ def sample_indices(v: torch.Tensor, tau: float, rate: float, explore: Optional[t
         return torch.empty(0, dtype=torch.int64, device=v.device)
     idx = torch.cat(parts)
     return torch.unique(idx, sorted=True) if len(parts) > 1 else idx
+
+
+def _select_torch(v: torch.Tensor, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(idx, v[idx]) of |v| >= theta: the PyTorch pass (select_above_torch's semantics for float32)."""
+    idx = torch.nonzero(v.abs() >= theta).squeeze(1)  # (n1,)
+    return idx, v[idx]
 
 
 def _prob(a: torch.Tensor, scale: float, power: float) -> torch.Tensor:

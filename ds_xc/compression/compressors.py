@@ -62,8 +62,8 @@ def allocate_densities(numel: list, weight: list, density: float) -> list:
 
 
 def _threshold_pass(backend: str):
-    """The |a| >= theta pass of bayes.sample_indices: ds_xc_ops.triton_select.select_above (Triton
-    kernel on CUDA when usable, else torch; identical results). Imported here: triton is optional."""
+    """The |v| >= theta pass of bayes.sample_indices: ds_xc_ops.triton_select.select_above (Triton
+    kernel on CUDA when usable, the C++ kernel for float32 CPU tensors, else torch; identical results)."""
     from ds_xc_ops.triton_select import select_above
     return functools.partial(select_above, backend=backend)
 
@@ -137,7 +137,7 @@ class BayesPrior(Compressor):
 
     name = "bayes_prior"
     uses_stats = True
-    select_backend: ClassVar[str] = "auto"  # ds_xc_ops.triton_select backend of the threshold pass (CUDA tensors)
+    select_backend: ClassVar[str] = "auto"  # ds_xc_ops.triton_select backend of the threshold pass
     _GAIN, _STEP_LIMIT, _SCALE_LIMIT = 0.5, 1.25, 64.0
 
     def local_max(self, v: torch.Tensor) -> float:
@@ -170,7 +170,7 @@ class BayesPrior(Compressor):
         if "tau" not in tstate:
             raise RuntimeError("bayes_prior: select() before the first statistics sync")
         explore = tstate["explore"] if self.config.prior.strength > 0.0 else None
-        select = _threshold_pass(self.select_backend) if v.is_cuda else None  # CPU: torch, unchanged
+        select = _threshold_pass(self.select_backend)  # Triton on CUDA, C++ for float32 on the CPU
         return bayes.sample_indices(v, tstate["tau"] * tstate["tau_scale"], tstate["rate"], explore,
                                     tstate["log2_hi"], gen, self.config.exploit_power, select=select)
 
