@@ -130,7 +130,7 @@ def main(argv=None) -> dict:
               "backbone_numel": sum(p.numel() for p in backbone.parameters()),
               "backbone_dtype": str(next(backbone.parameters()).dtype).replace("torch.", ""),
               "step_s": statistics.median(times[args.skip_steps:] or times), "final_loss": losses[-1],
-              "loss_last10": statistics.fmean(losses[-10:]), "first_loss": losses[0], "curve": curve,
+              "loss_last10": statistics.fmean(losses[-10:]), "first_loss": losses[0], "losses": losses, "curve": curve,
               "train_s": sum(times), "first_step_s": times[0]}
     if args.method == "dense_rows":
         result["bytes_sent"] = reduced_bytes

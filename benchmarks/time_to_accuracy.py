@@ -53,10 +53,12 @@ def since_first_step(r: dict, train_s: float) -> float:
     return train_s - r["first_step_s"]
 
 
-def run_variant(args, name: str, rate: str, port: int, steps: int, target: float) -> tuple[dict, dict]:
+def run_variant(args, name: str, rate: str, port: int, steps: int, target: float,
+                evaluate: bool = True) -> tuple[dict, dict]:
     method, extra = VARIANTS[name]
     argv = ["--config", os.path.join(ROOT, args.config), "--method", method, "--density", str(args.density),
-            "--steps", str(steps), "--eval_every", str(args.eval_every), "--compression", json.dumps(extra),
+            "--steps", str(steps), "--eval_every", str(args.eval_every if evaluate else 0),
+            "--compression", json.dumps(extra),
             "--seed", str(args.seed)]
     if args.eval_samples:
         argv += ["--eval_samples", str(args.eval_samples)]
@@ -65,24 +67,47 @@ def run_variant(args, name: str, rate: str, port: int, steps: int, target: float
     return in_namespaces("compression_train.py", argv, rate, port, args.timeout)
 
 
+def extrapolate_dense(dense: dict, leader: dict, target: float) -> dict:
+    """DeepSpeed's dense run timed over a few steps only (``--dense_steps``), completed from ``leader``.
+
+    ``leader`` (dense_rows) computes the same mean, so it follows the same trajectory (the
+    losses of the common steps are compared: ``loss_max_diff``); dense then reaches the target at
+    the leader's step, after its own mean step time (first step excluded) times the steps
+    after the first. Returns a copy of ``dense`` whose curve holds that one point."""
+    hit = first_reach(leader["curve"], target)
+    n = len(dense["losses"])
+    mean_s = (dense["train_s"] - dense["first_step_s"]) / max(n - 1, 1)
+    out = dict(dense, extrapolated_from=n,
+               loss_max_diff=max(abs(a - b) for a, b in zip(dense["losses"], leader["losses"])))
+    if hit is not None:
+        out["curve"] = [{"step": hit["step"], "train_s": dense["first_step_s"] + mean_s * (hit["step"] - 1),
+                         "top1": hit["top1"], "top5": hit["top5"]}]
+    return out
+
+
 def rate_table(rate: str, runs: list, target: float) -> list[str]:
-    """The markdown table of one link."""
+    """The markdown table of one link (a row whose run was extrapolated says from how many steps)."""
     reach = {name: first_reach(r["curve"], target) for name, r, _ in runs}
     t = {name: (since_first_step(r, reach[name]["train_s"]) if reach[name] else None) for name, r, _ in runs}
-    lines = [f"## {rate}: target top-1 {target:.4f} (dense's final)\n",
+    lines = [f"## {rate}: target top-1 {target:.4f} ({runs[0][0]}'s final)\n",
              "| variant | s/step (median) | steps to target | time to target (s) | vs dense | vs powersgd | "
              "best top-1 (step) | veth B/step (rank 0 tx) |", "|---|---|---|---|---|---|---|---|"]
     for name, r, c in runs:
-        best = max(r["curve"], key=lambda e: e["top1"])
+        best = max(r["curve"] or [{"top1": float("nan"), "step": r["steps"]}], key=lambda e: e["top1"])
         hit = reach[name]
 
         def ratio(other):
             return f"{t[other] / t[name]:.2f}x" if t.get(other) and t[name] else "n/a"
         when = f"{t[name]:.1f}" if hit else f"> {since_first_step(r, r['train_s']):.1f}"  # never: its whole run
+        if r.get("extrapolated_from"):
+            when += f" (timed over {r['extrapolated_from']} steps)"
         lines.append(f"| {name} | {r['step_s']:.3f} | {hit['step'] if hit else 'never'} | {when} | "
                      f"{ratio('dense')} | {ratio('powersgd')} | {best['top1']:.4f} ({best['step']}) | "
                      f"{c['tx_bytes'][0] / r['steps']:,.0f} |")
-    return lines + [""]
+    extra = [f"dense ran {r['extrapolated_from']} steps: its time to the target is its mean step time x the "
+             f"target variant's steps; its losses differ from that variant's by at most {r['loss_max_diff']:.2e} over "
+             "those steps (the same mean)\n" for name, r, _ in runs if r.get("extrapolated_from")]
+    return lines + [""] + extra
 
 
 def plot(results: dict, path: str) -> None:
@@ -108,7 +133,12 @@ def main(argv=None) -> str:
     p.add_argument("--rates", default="1gbit,100mbit", help="tc tbf rates, comma-separated ('none': unshaped)")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--config", default="configs/default.json")
-    p.add_argument("--steps", type=int, default=300, help="dense's steps; its final top-1 is the target")
+    p.add_argument("--steps", type=int, default=300, help="the target variant's steps; its final top-1 is the target")
+    p.add_argument("--target_variant", choices=("dense", "dense_rows"), default="dense",
+                   help="the variant whose final top-1 is the target (it runs first)")
+    p.add_argument("--dense_steps", type=int, default=60,
+                   help="with --target_variant dense_rows: steps DeepSpeed's dense runs to time its step (the same "
+                   "mean as dense_rows: its time to the target is extrapolated, see extrapolate_dense)")
     p.add_argument("--max_factor", type=float, default=2.0, help="the others stop at max_factor x steps")
     p.add_argument("--eval_every", type=int, default=25)
     p.add_argument("--eval_samples", type=int, default=0, help="override xc_train.eval_samples (0: the config's)")
@@ -118,9 +148,11 @@ def main(argv=None) -> str:
     p.add_argument("--out", default=DEFAULT_OUT)
     args = p.parse_args(argv)
     names = args.variants.split(",")
-    if names[0] != "dense" or any(n not in VARIANTS for n in names):
-        p.error(f"--variants={args.variants!r}: the first must be dense (it sets the target); allowed: "
+    lead = args.target_variant
+    if any(n not in VARIANTS for n in names) or lead not in names:
+        p.error(f"--variants={args.variants!r}: must name {lead} (--target_variant, it sets the target); allowed: "
                 f"{', '.join(VARIANTS)}")
+    names = [lead] + [n for n in names if n != lead]
     command = "sudo python benchmarks/time_to_accuracy.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     started, t0, port = datetime.datetime.now().isoformat(timespec="seconds"), time.time(), 29655
     results = {}
@@ -128,10 +160,14 @@ def main(argv=None) -> str:
         runs, target = [], 0.0
         for name in names:
             port += 1
-            steps = args.steps if name == "dense" else math.ceil(args.max_factor * args.steps)
-            res, ctr = run_variant(args, name, rate, port, steps, target)
-            if name == "dense":
+            short = name == "dense" and lead != "dense"
+            steps = (args.steps if name == lead else args.dense_steps if short
+                     else math.ceil(args.max_factor * args.steps))
+            res, ctr = run_variant(args, name, rate, port, steps, target, evaluate=not short)
+            if name == lead:
                 target = res["curve"][-1]["top1"]
+            if short:
+                res = extrapolate_dense(res, runs[0][1], target)
             runs.append((name, res, ctr))
             hit = first_reach(res["curve"], target)
             print(f"{rate} {name}: {res['step_s']:.3f} s/step, "
@@ -157,7 +193,7 @@ def render(args, command: str, started: str, wall: float, results: dict) -> str:
              f"- job: {first['config']} ({first['data']}, {first['num_classes']} classes, backbone "
              f"{first['backbone_numel'] / 1e6:.2f} M parameters), seed {args.seed}; 2 ranks in 2 namespaces, 1 thread "
              "each; veth pair shaped by `tc tbf rate RATE burst 128kb latency 50ms` on both ends (benchmarks/netns.sh)",
-             f"- dense trains {args.steps} steps, its final top-1 is the target; the others stop at the first "
+             f"- {args.target_variant} trains {args.steps} steps, its final top-1 is the target; the others stop at the first "
              f"evaluation (every {args.eval_every} steps) that reaches it, or after {math.ceil(args.max_factor * args.steps)}"
              " steps; time = training time after the first step (index build, warm-up), barrier to barrier per step, "
              "evaluations left out; "

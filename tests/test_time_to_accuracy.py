@@ -37,3 +37,25 @@ def test_table_times_and_ratios():
     assert by_name["powersgd"][2:6] == ["30", "15.0", "1.33x", "1.00x"]
     assert by_name["topk"][2:6] == ["never", "> 7.0", "n/a", "n/a"]
     assert by_name["topk"][6] == "0.1900 (40)" and by_name["topk"][7] == "25"  # 1000 B over 40 steps
+
+
+def test_dense_extrapolated_from_a_short_run_of_the_same_mean():
+    """--target_variant dense_rows: DeepSpeed's dense runs a few steps; it reaches the target at dense_rows' step,
+    after its own mean step time (first step excluded) per step; the losses of the common steps are compared."""
+    tta = _module()
+    rows = _run([(100, 30.0, 0.10), (200, 60.0, 0.14)], first=3.0)
+    rows["losses"] = [5.0, 4.5, 4.0, 3.9]
+    dense = {"curve": [], "first_step_s": 2.0, "train_s": 2.0 + 3 * 0.5, "step_s": 0.5, "steps": 4,
+             "losses": [5.0, 4.5, 4.25, 3.9]}
+    ext = tta.extrapolate_dense(dense, rows, 0.14)
+    assert ext["extrapolated_from"] == 4 and abs(ext["loss_max_diff"] - 0.25) < 1e-12
+    assert ext["curve"] == [{"step": 200, "train_s": 2.0 + 0.5 * 199, "top1": 0.14, "top5": 0.14}]
+    ctr = {"tx_bytes": [400, 400]}
+    table = tta.rate_table("100mbit", [("dense_rows", rows, ctr), ("dense", ext, ctr)], 0.14)
+    by_name = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]] for line in table
+               if line.startswith("| ") and not line.startswith("| variant")}
+    assert by_name["dense"][2:5] == ["200", "99.5 (timed over 4 steps)", "1.00x"]
+    assert by_name["dense_rows"][2:5] == ["200", "57.0", "1.75x"]  # 99.5 / 57
+    assert by_name["dense"][7] == "100"  # 400 B over the 4 steps it ran
+    assert table[0].startswith("## 100mbit: target top-1 0.1400 (dense_rows's final)")
+    assert any("at most 2.50e-01" in line for line in table)
