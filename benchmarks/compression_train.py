@@ -139,6 +139,7 @@ def main(argv=None) -> dict:
         stats.pop("last", None)
         result["compression"] = stats
         result["compression_config"] = comp.config.model_dump()
+        result["frozen_variance"] = bool(getattr(comp, "frozen_variance", False))
     if args.eval:
         ev = curve[-1] if curve and curve[-1]["step"] == len(times) else evaluate()
         result.update(top1=ev["top1"], top5=ev["top5"], eval_samples=ev["samples"])

@@ -8,14 +8,19 @@ naming the key path, the value and what is allowed. ds_xc.compression.config re-
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 from pydantic import Field, model_validator
 
 from ds_xc.config_base import COMPRESSION_SECTION, ConfigError, Section, validate_section
 
 __all__ = ["COMPRESSION_SECTION", "PriorConfig", "HierarchyConfig", "PowerSGDConfig", "GradientCompressionConfig",
-           "parse_compression", "ConfigError"]
+           "parse_compression", "ConfigError", "ADAM_WARMUP_STEPS", "PAPER_PRESET"]
+
+ADAM_WARMUP_STEPS = 100  # the default warm-up when Adam's variance is frozen (docs/compression.md: how chosen)
+# preset "paper": bayes_prior as the GSBP paper and the issue wrote it (p = min(1, |v|/tau), 10% exploration), for
+# the keys the section does not set; the defaults (preset "tuned") were chosen on the text task (docs/compression.md)
+PAPER_PRESET = {"exploit_power": 1.0, "stats_sync_interval": 10, "prior": {"strength": 0.1}}
 
 
 class PriorConfig(Section):
@@ -30,8 +35,9 @@ class PriorConfig(Section):
         "dirichlet: w_b = n * pi_b / c_b with Dirichlet posterior mean pi_b = (c_b + a) / (N + B a) "
         "over the B bins of the global histogram (c_b elements in bin b), so sparsely populated "
         "magnitudes are explored more as the pseudo-count a grows.")
-    strength: float = Field(0.1, ge=0.0, lt=1.0,
-                            description="Share alpha of the density budget spent on exploration.")
+    strength: float = Field(0.0, ge=0.0, lt=1.0,
+                            description="Share alpha of the density budget spent on exploration (0.1 in the "
+                            "paper's formula, preset 'paper').")
     pseudo_count: float = Field(1.0, ge=0.0, le=1e9, description="Dirichlet pseudo-count a per bin "
                                 "(form dirichlet only); 0 makes dirichlet equal to uniform.")
 
@@ -65,13 +71,28 @@ class GradientCompressionConfig(Section):
                            "used by powersgd, whose traffic powersgd.rank sets).")
     error_feedback: bool = Field(True, description="Keep what was not sent (v - sent) and add it to "
                                  "the next step's gradient.")
-    warmup_steps: int = Field(0, ge=0, description="Optimizer steps reduced densely before compression starts.")
-    stats_sync_interval: int = Field(10, ge=1, le=1 << 20, description="bayes_prior: steps between "
+    warmup_steps: Optional[int] = Field(None, ge=0, description="Optimizer steps reduced densely before compression "
+                                        "starts. Default (null): ADAM_WARMUP_STEPS when the wrapped optimizer's "
+                                        "variance is frozen (adam_variance), whose estimate the warm-up provides, "
+                                        "else 0.")
+    adam_variance: Literal["auto", "frozen", "live"] = Field(
+        "auto", description="A wrapped torch.optim.Adam/AdamW under compression: frozen = the wrapper takes its "
+        "steps with the second moment fixed at its (bias-corrected) value after the dense warm-up (error feedback "
+        "sends an element as a burst of its residual, which inflates a live second moment and shrinks the "
+        "steps; see ds_xc/compression/frozen_adam.py); live = the optimizer steps as it is; auto = frozen when "
+        "it can be (Adam/AdamW without amsgrad or maximize, warmup_steps >= 1, error feedback, an element-"
+        "selecting method), else live. frozen needs a warm-up (warmup_steps null or >= 1).")
+    preset: Literal["tuned", "paper"] = Field(
+        "tuned", description="bayes_prior's exploitation power, exploration and threshold sync interval when the "
+        "section does not set them: tuned = the defaults below (exploit_power 8, no exploration, thresholds every "
+        "2 steps, chosen on the text task); paper = the formula of the GSBP paper (exploit_power 1, "
+        "prior.strength 0.1, stats_sync_interval 10).")
+    stats_sync_interval: int = Field(2, ge=1, le=1 << 20, description="bayes_prior: steps between "
                                      "all-reduces of the |v| histograms that set the thresholds (and, "
                                      "with allocation nonzero, between measurements of the allocation).")
     stats_samples: int = Field(262144, ge=0, description="bayes_prior: elements per tensor and rank "
                                "drawn (uniformly) into the histogram at a sync; 0 = every element.")
-    exploit_power: float = Field(1.0, ge=1.0, le=64.0, description="bayes_prior: exponent k of the "
+    exploit_power: float = Field(8.0, ge=1.0, le=64.0, description="bayes_prior: exponent k of the "
                                  "exploitation probability min(1, (|v|/tau)^k); 1 = proportional to |v| "
                                  "(docs/papers.md), larger = closer to a hard threshold (top-k like).")
     prior: PriorConfig = Field(default_factory=PriorConfig, description="bayes_prior exploration.")
@@ -108,11 +129,31 @@ class GradientCompressionConfig(Section):
                                    "reduction slower than the dense all-reduce, a WARNING is logged at start. "
                                    "0 = unknown: the check logs at DEBUG only.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        """preset 'paper': fill the keys it names that the section leaves out (explicit keys win)."""
+        if not (isinstance(data, dict) and data.get("preset") == "paper"):
+            return data
+        data = dict(data)
+        for key, value in PAPER_PRESET.items():
+            if key != "prior":
+                data.setdefault(key, value)
+            elif data.get("prior") is None or isinstance(data.get("prior"), dict):
+                data["prior"] = dict(value, **(data.get("prior") or {}))
+        return data
+
     @model_validator(mode="after")
     def _check(self):
         if self.momentum_correction > 0.0 and not self.error_feedback:
             raise ValueError(f"momentum_correction={self.momentum_correction} needs error_feedback=true "
                              "(momentum correction accumulates what was not sent)")
+        if self.adam_variance == "frozen" and (self.warmup_steps == 0 or self.method in ("none", "powersgd")
+                                               or not self.error_feedback):
+            raise ValueError(f"adam_variance='frozen' with warmup_steps={self.warmup_steps}, method={self.method!r}, "
+                             f"error_feedback={self.error_feedback}: the variance is frozen after a dense warm-up, "
+                             "for the bursts of error feedback; allowed: warmup_steps null or >= 1, method topk, randomk or "
+                             "bayes_prior, error_feedback true (or adam_variance 'auto' / 'live')")
         if self.method == "powersgd":
             self._check_powersgd()
         return self

@@ -47,6 +47,9 @@ def _variants(annotation) -> dict:
 
 def _kind(field):
     ann = field.annotation
+    args = typing.get_args(ann)
+    if typing.get_origin(ann) is typing.Union and len(args) == 2 and type(None) in args:
+        ann = next(a for a in args if a is not type(None))  # Optional[X] (null = a default rule): fuzzed as X
     if _variants(ann):
         return "union"
     if isinstance(ann, type) and issubclass(ann, BaseModel):
@@ -105,7 +108,8 @@ def _node(data, raw):
 # ---------------------------------------------------------------------- invalid values
 def _invalid(data, field):
     kind = _kind(field)
-    wrong_type = [junk_text, st.just([1]), st.just({"a": 1}), st.none()]
+    nullable = type(None) in typing.get_args(field.annotation)  # Optional[X]: null is valid
+    wrong_type = [junk_text, st.just([1]), st.just({"a": 1})] + ([] if nullable else [st.none()])
     if kind in ("int", "float"):
         lo, lo_open, hi, hi_open, mult = _bounds(field)
         options = list(wrong_type)
@@ -210,6 +214,9 @@ def _satisfy_cross_field_rules(raw):
         o["momentum"] = 0.5
     if comp.get("momentum_correction", 0.0) > 0.0:
         comp["error_feedback"] = True
+    if comp.get("adam_variance") == "frozen" and (comp.get("warmup_steps") == 0 or not comp.get("error_feedback", True)
+                                                  or comp.get("method") in ("none", "powersgd")):
+        comp["adam_variance"] = "auto"  # frozen needs a warm-up and an element-selecting method with feedback
     for name, least in (("text", 1_000), ("corpus", 10_000)):
         size = train.get(f"{name}_vocab_size", 0)
         if size and (size < least or train.get(f"{name}_mode", "word") == "word"):

@@ -118,7 +118,7 @@ def test_two_ranks_gradient_compression_section(tmp_path):
     """A `gradient_compression` section is attached by ds_xc.initialize: traffic is counted, the
     per-rank residuals are checkpointed next to the head shards and restored on resume."""
     cfg = json.loads(open(_config(tmp_path)).read())
-    cfg["gradient_compression"] = {"method": "topk", "density": 0.02, "min_numel": 1000}
+    cfg["gradient_compression"] = {"method": "topk", "density": 0.02, "min_numel": 1000, "warmup_steps": 1}
     path = tmp_path / "cfg_comp.json"
     path.write_text(json.dumps(cfg))
     save, summary = str(tmp_path / "ckpt"), str(tmp_path / "summary.json")

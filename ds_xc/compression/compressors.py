@@ -175,13 +175,17 @@ class BayesPrior(Compressor):
                                     tstate["log2_hi"], gen, self.config.exploit_power, select=select)
 
     def after_select(self, tstate: dict, num_sent: int, numel: int) -> None:
-        """Nudge tau towards the target count: too many sent -> raise tau, too few -> lower it."""
+        """Nudge tau towards the target count: too many sent -> raise tau, too few -> lower it.
+
+        The count falls about as tau^-k (k = exploit_power, for the elements below tau), so a
+        damped Newton step scales tau by ratio^(gain / k): with k = 8 a fixed ratio^0.5 would move
+        the count by ratio^4 and overshoot on the next step."""
         density = self.density_of(tstate)
         expected = density * numel
         if density >= 1.0 or expected <= 0.0 or not math.isfinite(tstate.get("tau", math.inf)):
             return
         ratio = max(num_sent, 0.5) / expected
-        factor = min(max(ratio ** self._GAIN, 1.0 / self._STEP_LIMIT), self._STEP_LIMIT)
+        factor = min(max(ratio ** (self._GAIN / self.config.exploit_power), 1.0 / self._STEP_LIMIT), self._STEP_LIMIT)
         limit = self._SCALE_LIMIT
         tstate["tau_scale"] = min(max(tstate["tau_scale"] * factor, 1.0 / limit), limit)
 

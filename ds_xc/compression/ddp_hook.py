@@ -62,13 +62,16 @@ class CompressedDDPHook:
     def __init__(self, ddp_model, optimizer: torch.optim.Optimizer, config=None, group=None):
         group = group if group is not None else getattr(ddp_model, "process_group", None)
         params = [p for p in ddp_model.module.parameters() if p.requires_grad]
-        self.optimizer = CompressedOptimizer(optimizer, config, group, params=params)
+        self.optimizer = CompressedOptimizer(optimizer, config, group, params=params, steps_optimizer=False)
         cfg = self.optimizer.config
         if cfg.method == "powersgd":
             raise ConfigError(f"{COMPRESSION_SECTION}.method: got 'powersgd' with the DDP comm hook; allowed: "
                               "'none', 'topk', 'randomk', 'bayes_prior'. For PowerSGD inside DDP use torch's own "
                               "hook (torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook), or use "
                               "CompressedOptimizer.reduce_gradients() without DDP")
+        if cfg.adam_variance == "frozen":
+            raise ConfigError(f"{COMPRESSION_SECTION}.adam_variance: got 'frozen' with the DDP comm hook; allowed: "
+                              "'auto' or 'live' (the hook only reduces: the optimizer's steps stay the user's)")
         if cfg.enabled and cfg.granularity != "tensor":
             raise ConfigError(f"{COMPRESSION_SECTION}.granularity: got {cfg.granularity!r} with the DDP comm hook; "
                               "allowed: 'tensor' (DDP's buckets split the one-threshold bucket)")

@@ -31,7 +31,9 @@ import torch
 import torch.distributed as dist
 
 from ds_xc.compression.compressors import allocate_densities, build_compressor
-from ds_xc.compression.config import COMPRESSION_SECTION, ConfigError, GradientCompressionConfig, parse_compression
+from ds_xc.compression.config import (ADAM_WARMUP_STEPS, COMPRESSION_SECTION, ConfigError, GradientCompressionConfig,
+                                     parse_compression)
+from ds_xc.compression.frozen_adam import frozen_variance_step, unsupported_reason
 from ds_xc.compression.layout import plan_layout
 from ds_xc.compression.pays import check_config
 from ds_xc.compression.powersgd import LowRankSteps
@@ -68,11 +70,13 @@ class CompressedOptimizer(CompressionState, ReductionSteps, LowRankSteps, torch.
         rank_state_in_state_dict: include the per-rank state (residuals, thresholds) in
             ``state_dict()``. DeepSpeed saves the optimizer state of rank 0 only, so its
             integration turns this off and saves it per rank (compression/checkpoint.py).
+        steps_optimizer: whether ``step()`` is how the wrapped optimizer steps (False: the DDP hook,
+            which only reduces); only then can ``adam_variance`` freeze an Adam's variance.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, config=None, group=None, *, params=None,
                  node_groups: Optional[NodeGroups] = None, rank_state_in_state_dict: bool = True,
-                 seed_rank: Optional[int] = None):
+                 seed_rank: Optional[int] = None, steps_optimizer: bool = True):
         self.__dict__["_ready"] = False
         cfg: GradientCompressionConfig = parse_compression(config if config is not None else {})
         params = params if params is not None else [p for g in optimizer.param_groups for p in g["params"]]
@@ -114,6 +118,11 @@ class CompressedOptimizer(CompressionState, ReductionSteps, LowRankSteps, torch.
         self._reduced_by_hooks = False  # an overlapped reducer did this step's reduction
         self._tally = dict(compressed_steps=0, sent=0, offered=0, global_sent=0, global_offered=0, dense_bytes=0)
         self._last: dict = {}
+        self._skip_next = False  # skip_reduction(): this step's optimizer step is the engine's no-op
+        self.frozen_variance = steps_optimizer and self._resolve_adam_variance(cfg, optimizer)
+        self.warmup_steps = (cfg.warmup_steps if cfg.warmup_steps is not None
+                             else ADAM_WARMUP_STEPS if self.frozen_variance else 0)  # dense steps first
+        self._frozen_cache: dict = {}  # frozen_adam's denominators (derived, never saved)
         numel_bytes = sum(p.numel() * p.element_size() for p in self._params)
         self._dense_step_bytes = allreduce_bytes(numel_bytes, self.world_size)
         self.__dict__["_ready"] = True
@@ -122,6 +131,20 @@ class CompressedOptimizer(CompressionState, ReductionSteps, LowRankSteps, torch.
                  self.layout.numel, self.world_size,
                  f", {self.nodes.num_nodes} nodes x {self.nodes.local_size}" if self.nodes is not None else "")
         check_config(cfg, self.layout.numel, self.world_size, self.nodes is not None)  # warns if it does not pay
+
+    @staticmethod
+    def _resolve_adam_variance(cfg: GradientCompressionConfig, optimizer) -> bool:
+        """Whether the wrapper takes the optimizer's compressed steps with a frozen second moment."""
+        why = unsupported_reason(optimizer)
+        if cfg.adam_variance == "frozen" and why is not None:
+            raise ConfigError(f"{COMPRESSION_SECTION}.adam_variance='frozen': {why}; allowed: 'frozen' with a "
+                              "torch.optim.Adam or AdamW (no amsgrad, no maximize), else 'auto' or 'live'")
+        if cfg.adam_variance != "auto":
+            return cfg.adam_variance == "frozen"
+        on = (why is None and cfg.warmup_steps != 0 and cfg.error_feedback and cfg.method not in ("none", "powersgd"))
+        log.info("CompressedOptimizer: adam_variance auto -> %s", "frozen after the warm-up" if on else
+                 f"live ({why or 'no warm-up, no error feedback or not an element-selecting method'})")
+        return on
 
     # ------------------------------------------------------------------ plumbing
     def __getattr__(self, name):
@@ -170,11 +193,15 @@ class CompressedOptimizer(CompressionState, ReductionSteps, LowRankSteps, torch.
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        skipped, self._skip_next = self._skip_next, False
         if self._reduced_by_hooks:
             self._reduced_by_hooks = False
         else:
             self.reduce_gradients()
-        self.inner.step()
+        if self.frozen_variance and self._last.get("compressed") and not skipped:
+            frozen_variance_step(self.inner, self._frozen_cache)  # Adam with v-hat fixed after the warm-up
+        else:
+            self.inner.step()  # (a skipped step: the engine made it a no-op)
         return loss
 
     def overlapped_reducer(self, timeline=None, bucket_bytes: int = 4 << 20, comm_group=None):
@@ -314,7 +341,7 @@ class CompressedOptimizer(CompressionState, ReductionSteps, LowRankSteps, torch.
         cfg = self.config
         if cfg.resolved_allocation != "nonzero" or cfg.granularity != "tensor" or self.compressor is None:
             return False
-        c = self._step - cfg.warmup_steps
+        c = self._step - self.warmup_steps
         return c == 0 or (c > 0 and (c + 1) % cfg.stats_sync_interval == 0)
 
     def _count_nonzero(self, x: torch.Tensor, segments=None) -> None:
@@ -349,7 +376,7 @@ class CompressedOptimizer(CompressionState, ReductionSteps, LowRankSteps, torch.
     def _stats_due(self) -> bool:
         """At compressed steps 0, 1, 2, 4, 8, ... (the residuals build up then), then every interval,
         and on the step after the global density left [1/1.5, 1.5] x the target."""
-        c, interval = self._step - self.config.warmup_steps, self.config.stats_sync_interval
+        c, interval = self._step - self.warmup_steps, self.config.stats_sync_interval
         if c % interval == 0 or (c < interval and c & (c - 1) == 0) or self._resync:
             return True
         return any("tau" not in self.state[self._params[s.index]] for s in self.layout.segments)

@@ -36,7 +36,7 @@ class ReductionSteps:
 
     def compresses_this_step(self) -> bool:
         """False during warm-up and for ``method: none``: then every gradient goes dense."""
-        return self.compressor is not None and self._step >= self.config.warmup_steps
+        return self.compressor is not None and self._step >= self.warmup_steps
 
     def stats_sync_due(self) -> bool:
         """Whether this (compressed) step syncs the |v| statistics before selecting (bayes_prior)."""
@@ -79,5 +79,7 @@ class ReductionSteps:
 
     def skip_reduction(self) -> None:
         """Let the next ``step()`` only step the wrapped optimizer (a skipped step: no reduction, the
-        residuals stay as they are)."""
+        residuals stay as they are; the engine has made that step a no-op, and the frozen-variance
+        step, which the wrapper takes itself, is left out too)."""
         self._reduced_by_hooks = True
+        self._skip_next = True
