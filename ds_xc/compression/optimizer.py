@@ -33,6 +33,7 @@ import torch.distributed as dist
 from ds_xc.compression.compressors import allocate_densities, build_compressor
 from ds_xc.compression.config import (ADAM_WARMUP_STEPS, COMPRESSION_SECTION, ConfigError, GradientCompressionConfig,
                                      parse_compression)
+from ds_xc.compression.exact import exact_mean_
 from ds_xc.compression.frozen_adam import frozen_variance_step, unsupported_reason
 from ds_xc.compression.layout import plan_layout
 from ds_xc.compression.pays import check_config
@@ -227,8 +228,12 @@ class CompressedOptimizer(CompressionState, ReductionSteps, LowRankSteps, torch.
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
         before = self.counter.snapshot()
-        if not self.compresses_this_step():
-            dense_allreduce_mean_(grads, self.group, self.counter)
+        if not self.compresses_this_step():  # the exact mean: nonzeros as pairs where that moves fewer bytes
+            lay = self.layout
+            if self.compressor is not None and self.nodes is None:
+                exact_mean_(grads, lay.sparse, lay.starts, lay.padded, self.group, self.counter, self._scratch)
+            else:
+                dense_allreduce_mean_(grads, self.group, self.counter)
             return self.close_step(before)
         dense_allreduce_mean_([grads[i] for i in self.layout.dense], self.group, self.counter)
         reduce = self._reduce_low_rank if self.compressor.low_rank else self._reduce_bucket  # powersgd.py
