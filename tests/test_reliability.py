@@ -33,6 +33,10 @@ CASES = {
         compression=True, overlap=True),
     "ann_lazy_adamw_compressed_overlap_gas2": dict(
         sampler=ANN, opt={"type": "adamw", "lr": 0.05, "update": "lazy"}, compression=True, overlap=True, gas=2),
+    # an AdamW backbone: after one dense step the wrapper takes its steps with the variance frozen
+    "uniform_adamw_backbone_frozen_overlap": dict(
+        sampler={"type": "uniform", "sample_rate": 0.4}, opt={"type": "adamw", "lr": 0.05, "update": "lazy"},
+        compression=True, overlap=True, backbone="adamw"),
 }
 
 
@@ -94,8 +98,14 @@ def _build(rank, case, dropout=0.0, nonfinite="skip", **over):
     torch.manual_seed(SEED)
     body = Body(dropout)
     spec = dict(CASES[case], **over)
-    xc = ds_xc.initialize(model=body, optimizer=torch.optim.SGD(body.parameters(), lr=0.1, momentum=0.9),
-                          config=_config(nonfinite=nonfinite, **spec))
+    adamw = spec.pop("backbone", "sgd") == "adamw"
+    opt = (torch.optim.AdamW(body.parameters(), lr=0.01) if adamw
+           else torch.optim.SGD(body.parameters(), lr=0.1, momentum=0.9))
+    cfg = _config(nonfinite=nonfinite, **spec)
+    if adamw:
+        cfg["gradient_compression"]["warmup_steps"] = 1
+    xc = ds_xc.initialize(model=body, optimizer=opt, config=cfg)
+    assert xc.compression is None or xc.compression.frozen_variance == adamw
     torch.manual_seed(SEED + 100 * rank)  # each rank's dropout stream, the same in every run
     return xc, spec.get("gas", 1)
 
@@ -279,7 +289,8 @@ def _clean(rank, world, case, steps, start=0):
     return _train(xc, rank, gas, start, start + steps)
 
 
-@pytest.mark.parametrize("case", ["exact_sgd", "uniform_lazy_adamw_compressed_overlap"])
+@pytest.mark.parametrize("case", ["exact_sgd", "uniform_lazy_adamw_compressed_overlap",
+                                  "uniform_adamw_backbone_frozen_overlap"])
 @pytest.mark.parametrize("fault", ["nan_out", "nan_grad"])
 def test_nonfinite_step_is_skipped_everywhere(pools, case, fault):
     pool = pools(2)

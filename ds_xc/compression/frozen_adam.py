@@ -63,7 +63,8 @@ def frozen_variance_step(optimizer, cache: dict) -> None:
 
     ``cache`` (the caller's, not saved) keeps per parameter the denominator sqrt(v-hat) + eps and
     the mask of the elements still live, rebuilt whenever the state's frozen tensor is another one
-    (a checkpoint was loaded)."""
+    (a checkpoint was loaded). Memory: the frozen v-hat and the denominator, two more float32
+    copies of every parameter (Adam already holds two)."""
     for group in optimizer.param_groups:
         beta1, beta2 = group["betas"]
         lr, eps, wd = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
@@ -81,7 +82,10 @@ def frozen_variance_step(optimizer, cache: dict) -> None:
                 cache[p] = (frozen, frozen.sqrt().add_(eps), live if bool(live.any()) else None)
             _, denom, live = cache[p]
             t = done + 1.0
-            st["step"].fill_(t) if torch.is_tensor(st["step"]) else st.__setitem__("step", t)
+            if torch.is_tensor(st["step"]):
+                st["step"].fill_(t)
+            else:
+                st["step"] = t
             g = p.grad if decoupled or wd == 0.0 else p.grad.add(p, alpha=wd)
             if decoupled and wd != 0.0:
                 p.mul_(1.0 - lr * wd)

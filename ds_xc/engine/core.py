@@ -236,6 +236,7 @@ class XCEngine:
             reducer.finish()  # every rank armed it: complete the collectives in flight
             if comp is not None:
                 comp.restart_rank_state()
+                comp.skip_reduction()  # its step must not take the frozen-variance step itself either
         elif comp is not None:
             comp.skip_reduction()  # skip its reduction: the residuals stay as they were
         self.head_optimizer.zero_grad(set_to_none=True)
