@@ -12,7 +12,8 @@ from ds_xc.compression.frozen_adam import FROZEN_KEY
 from ds_xc.config import ConfigError
 
 LR, BETAS, EPS, WD, WARMUP, STEPS = 0.01, (0.9, 0.999), 1e-8, 0.05, 3, 9
-SECTION = {"method": "topk", "density": 1.0, "min_numel": 1, "warmup_steps": WARMUP}  # 1 rank, all sent: mean = grad
+SECTION = {"method": "topk", "density": 1.0, "min_numel": 1, "warmup_steps": WARMUP,  # 1 rank, all sent: mean = grad
+           "adam_variance": "auto"}
 
 
 def _grads(step: int) -> list[torch.Tensor]:
@@ -145,16 +146,18 @@ def test_resolution_from_the_config():
 
 
 def test_default_warmup_follows_the_variance():
-    """warmup_steps null: ADAM_WARMUP_STEPS dense steps when an Adam's variance is frozen, else none."""
+    """warmup_steps null: ADAM_WARMUP_STEPS dense steps when an Adam's variance is frozen, else none (and the
+    variance stays live unless asked for)."""
     def made(kind, **section):
         params = _params()
         return CompressedOptimizer(kind(params, lr=LR), dict({"method": "topk"}, **section))
 
-    assert made(torch.optim.AdamW).warmup_steps == ADAM_WARMUP_STEPS
-    assert made(torch.optim.SGD).warmup_steps == 0
-    assert made(torch.optim.AdamW, adam_variance="live").warmup_steps == 0
-    assert made(torch.optim.AdamW, warmup_steps=7).warmup_steps == 7
-    opt = made(torch.optim.AdamW)
+    assert not made(torch.optim.AdamW).frozen_variance and made(torch.optim.AdamW).warmup_steps == 0  # defaults
+    assert made(torch.optim.AdamW, adam_variance="auto").warmup_steps == ADAM_WARMUP_STEPS
+    assert made(torch.optim.AdamW, adam_variance="frozen").warmup_steps == ADAM_WARMUP_STEPS
+    assert made(torch.optim.SGD, adam_variance="auto").warmup_steps == 0
+    assert made(torch.optim.AdamW, adam_variance="auto", warmup_steps=7).warmup_steps == 7
+    opt = made(torch.optim.AdamW, adam_variance="auto")
     params = opt.params
     for t in range(ADAM_WARMUP_STEPS + 1):
         assert opt.compresses_this_step() == (t >= ADAM_WARMUP_STEPS)

@@ -40,7 +40,7 @@ def test_builders_name_their_ops_under_ds_xc_ops():
     from ds_xc_ops.builders import BUILDERS
     assert {b().absolute_name() for b in BUILDERS.values()} == {
         "ds_xc_ops.ds_xc_hamming_cpu_op", "ds_xc_ops.ds_xc_hamming_cuda_op", "ds_xc_ops.ds_xc_rows_cpu_op",
-        "ds_xc_ops.ds_xc_softmax_cpu_op"}
+        "ds_xc_ops.ds_xc_softmax_cpu_op", "ds_xc_ops.ds_xc_select_cpu_op"}
 
 
 @pytest.mark.slow
@@ -54,7 +54,7 @@ def test_wheel_holds_ds_xc_ops_and_the_kernel_sources(tmp_path):
     assert tops == {"ds_xc", "ds_xc_ops"}, tops
     for need in ("ds_xc_ops/hamming.py", "ds_xc_ops/triton_softmax_kernels.py", "ds_xc/head/triton_softmax.py", "ds_xc_ops/csrc/hamming_cpu.cpp",
                  "ds_xc_ops/csrc/hamming_cuda.cu", "ds_xc_ops/csrc/rows_cpu.cpp", "ds_xc_ops/rows.py",
-                 "ds_xc_ops/csrc/softmax_cpu.cpp", "ds_xc_ops/softmax_rows.py", "ds_xc/engine/core.py", "ds_xc/sampling/ann/index.py"):
+                 "ds_xc_ops/csrc/softmax_cpu.cpp", "ds_xc_ops/softmax_rows.py", "ds_xc_ops/csrc/select_cpu.cpp", "ds_xc/engine/core.py", "ds_xc/sampling/ann/index.py"):
         assert need in names, need
 
 

@@ -103,7 +103,7 @@ def _build(rank, case, dropout=0.0, nonfinite="skip", **over):
            else torch.optim.SGD(body.parameters(), lr=0.1, momentum=0.9))
     cfg = _config(nonfinite=nonfinite, **spec)
     if adamw:
-        cfg["gradient_compression"]["warmup_steps"] = 1
+        cfg["gradient_compression"].update(warmup_steps=1, adam_variance="auto")
     xc = ds_xc.initialize(model=body, optimizer=opt, config=cfg)
     assert xc.compression is None or xc.compression.frozen_variance == adamw
     torch.manual_seed(SEED + 100 * rank)  # each rank's dropout stream, the same in every run
