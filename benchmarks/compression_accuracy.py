@@ -141,6 +141,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--out", default=DEFAULT_OUT, help="markdown file ('-': print only)")
     p.add_argument("--smoke", action="store_true", help="10 steps, print only")
+    p.add_argument("--json", default=None, help="also write every run's record (loss curve included) here")
     args = p.parse_args(argv)
     if args.smoke:
         args.steps, args.out = 10, "-"
@@ -164,6 +165,9 @@ def main(argv=None) -> list[dict]:
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out, "w") as fh:
             fh.write(report + "\n")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh)
     return rows
 
 
