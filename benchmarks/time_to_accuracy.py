@@ -146,7 +146,10 @@ def main(argv=None) -> str:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument("--replot", default=None, help="only redraw the plot from a run's .json (needs no root)")
     args = p.parse_args(argv)
+    if args.replot:
+        return replot(args.replot)
     names = args.variants.split(",")
     lead = args.target_variant
     if any(n not in VARIANTS for n in names) or lead not in names:
@@ -180,8 +183,29 @@ def main(argv=None) -> str:
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out, "w") as fh:
             fh.write(report + "\n")
-        plot(results, os.path.splitext(args.out)[0] + ".png")
+        stem = os.path.splitext(args.out)[0]
+        with open(stem + ".json", "w") as fh:  # every run's record and curve: --replot redraws from it
+            json.dump({rate: {"target": target, "runs": [[n, r, c] for n, r, c in runs]}
+                       for rate, (runs, target) in results.items()}, fh)
+        save_plot(results, stem + ".png")
     return report
+
+
+def save_plot(results: dict, path: str) -> None:
+    """The plot, or a line saying how to make it (matplotlib is the ``bench`` extra)."""
+    try:
+        plot(results, path)
+    except ImportError:
+        print(f"no plot: matplotlib is not installed (pip install -e '.[bench]', then python "
+              f"benchmarks/time_to_accuracy.py --replot {os.path.splitext(path)[0]}.json)", flush=True)
+
+
+def replot(path: str) -> None:
+    """Redraw the plot of a run from its ``.json`` beside the ``.md``."""
+    with open(path) as fh:
+        saved = json.load(fh)
+    save_plot({rate: ([tuple(run) for run in v["runs"]], v["target"]) for rate, v in saved.items()},
+              os.path.splitext(path)[0] + ".png")
 
 
 def render(args, command: str, started: str, wall: float, results: dict) -> str:

@@ -59,3 +59,16 @@ def test_dense_extrapolated_from_a_short_run_of_the_same_mean():
     assert by_name["dense"][7] == "100"  # 400 B over the 4 steps it ran
     assert table[0].startswith("## 100mbit: target top-1 0.1400 (dense_rows's final)")
     assert any("at most 2.50e-01" in line for line in table)
+
+
+def test_replot_from_the_saved_json(tmp_path, capsys):
+    """A run's .json (written beside its .md) redraws the plot; without matplotlib it says how to get one."""
+    import json
+
+    tta = _module()
+    curve = [{"step": 100, "train_s": 10.0, "top1": 0.1}, {"step": 200, "train_s": 20.0, "top1": 0.2}]
+    run = {"curve": curve, "first_step_s": 1.0, "train_s": 20.0}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"1gbit": {"target": 0.2, "runs": [["dense_rows", run, {}]]}}))
+    tta.replot(str(path))
+    assert (tmp_path / "t.png").exists() or "matplotlib is not installed" in capsys.readouterr().out

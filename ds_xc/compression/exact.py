@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ds_xc.compression.layout import gather_flat, scatter_flat
 from ds_xc.compression.transport import WireCounter, dense_allreduce_mean_, sparse_allgather_mean
 from ds_xc.parallel.collectives import allreduce_bytes
 from ds_xc.parallel.groups import group_size, is_distributed
@@ -45,9 +46,7 @@ def exact_mean_(grads: list[torch.Tensor], sparse: list[int], starts: list[int],
     if not flat_ok or not is_distributed(group) or world < 2:
         return dense_allreduce_mean_(grads, group, counter)
     device = grads[sparse[0]].device
-    flat = scratch("flat", padded, device)  # (padded,), padding stays zero
-    for i, start in zip(sparse, starts):
-        flat[start: start + grads[i].numel()].copy_(grads[i].reshape(-1))
+    flat = gather_flat(grads, sparse, starts, scratch("flat", padded, device))  # (padded,), padding stays zero
     top = torch.count_nonzero(flat).reshape(1)  # (1,) int64
     dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
     counter.add(allreduce_bytes(8, world), allreduce_bytes(8, world))
@@ -58,5 +57,4 @@ def exact_mean_(grads: list[torch.Tensor], sparse: list[int], starts: list[int],
     idx = torch.nonzero(flat).squeeze(1)  # (m,) sorted
     mean, _ = sparse_allgather_mean(idx, flat[idx], padded, group, torch.float32, counter,
                                     out=scratch("reduced", padded, device))  # (padded,)
-    for i, start in zip(sparse, starts):
-        grads[i].copy_(mean[start: start + grads[i].numel()].view_as(grads[i]))
+    scatter_flat(mean, grads, sparse, starts)

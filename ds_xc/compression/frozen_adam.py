@@ -62,9 +62,10 @@ def frozen_variance_step(optimizer, cache: dict) -> None:
     """One Adam(W) step of ``optimizer`` with v-hat frozen (the first call freezes it).
 
     ``cache`` (the caller's, not saved) keeps per parameter the denominator sqrt(v-hat) + eps and
-    the mask of the elements still live, rebuilt whenever the state's frozen tensor is another one
-    (a checkpoint was loaded). Memory: the frozen v-hat and the denominator, two more float32
-    copies of every parameter (Adam already holds two)."""
+    the flat indices of the elements still live, rebuilt whenever the state's frozen tensor is another
+    one (a checkpoint was loaded) or eps changed. Only those elements' ``exp_avg_sq`` is updated (an
+    embedding table pays for the rows no warm-up batch looked up, not for the whole table). Memory: the
+    frozen v-hat and the denominator, two more float32 copies of every parameter (Adam holds two)."""
     for group in optimizer.param_groups:
         beta1, beta2 = group["betas"]
         lr, eps, wd = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
@@ -77,10 +78,10 @@ def frozen_variance_step(optimizer, cache: dict) -> None:
             if FROZEN_KEY not in st:
                 st[FROZEN_KEY] = st["exp_avg_sq"] / (1.0 - beta2 ** done) if done > 0 else torch.zeros_like(p)
             frozen = st[FROZEN_KEY]
-            if p not in cache or cache[p][0] is not frozen:
-                live = frozen == 0  # no estimate yet: these elements keep Adam's live one
-                cache[p] = (frozen, frozen.sqrt().add_(eps), live if bool(live.any()) else None)
-            _, denom, live = cache[p]
+            if p not in cache or cache[p][0] is not frozen or cache[p][3] != eps:
+                live = (frozen.reshape(-1) == 0).nonzero().squeeze(1)  # (l,) no estimate: Adam's live one
+                cache[p] = (frozen, frozen.sqrt().add_(eps), live if live.numel() else None, eps)
+            _, denom, live, _ = cache[p]
             t = done + 1.0
             if torch.is_tensor(st["step"]):
                 st["step"].fill_(t)
@@ -90,7 +91,8 @@ def frozen_variance_step(optimizer, cache: dict) -> None:
             if decoupled and wd != 0.0:
                 p.mul_(1.0 - lr * wd)
             st["exp_avg"].lerp_(g, 1.0 - beta1)
-            if live is not None:  # Adam's own second moment, used where nothing was frozen
-                st["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-                denom = torch.where(live, (st["exp_avg_sq"] / (1.0 - beta2 ** t)).sqrt_().add_(eps), denom)
+            if live is not None:  # Adam's own second moment where nothing was frozen (only there)
+                v, gl = st["exp_avg_sq"].view(-1), g.reshape(-1)[live]
+                v[live] = v[live].mul_(beta2).addcmul_(gl, gl, value=1.0 - beta2)
+                denom.view(-1)[live] = (v[live] / (1.0 - beta2 ** t)).sqrt_().add_(eps)
             p.addcdiv_(st["exp_avg"], denom, value=-lr / (1.0 - beta1 ** t))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Segment", "BucketLayout", "plan_layout"]
+__all__ = ["Segment", "BucketLayout", "plan_layout", "gather_flat", "scatter_flat"]
 
 
 @dataclass(frozen=True)
@@ -78,3 +78,18 @@ def plan_layout(params: list[torch.Tensor], min_numel: int, compress: bool, loca
         first = layout.segments[0]
         layout.segments = [Segment(index=first.index, start=0, end=layout.segments[-1].end, offset=first.offset)]
     return layout
+
+
+def gather_flat(grads: list[torch.Tensor], sparse: list[int], starts: list[int], flat: torch.Tensor) -> torch.Tensor:
+    """Copy the bucket's tensors ``grads[i]`` (i in ``sparse``) into ``flat`` at their ``starts``; returns
+    ``flat`` (its padding is left as it is)."""
+    for i, start in zip(sparse, starts):
+        flat[start: start + grads[i].numel()].copy_(grads[i].reshape(-1))
+    return flat
+
+
+def scatter_flat(flat: torch.Tensor, grads: list[torch.Tensor], sparse: list[int], starts: list[int]) -> None:
+    """The inverse of :func:`gather_flat`: each ``grads[i]`` (i in ``sparse``) takes its slice of ``flat``,
+    in its own dtype."""
+    for i, start in zip(sparse, starts):
+        grads[i].copy_(flat[start: start + grads[i].numel()].view_as(grads[i]))

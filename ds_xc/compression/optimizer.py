@@ -35,7 +35,7 @@ from ds_xc.compression.config import (ADAM_WARMUP_STEPS, COMPRESSION_SECTION, Co
                                      parse_compression)
 from ds_xc.compression.exact import exact_mean_
 from ds_xc.compression.frozen_adam import frozen_variance_step, unsupported_reason
-from ds_xc.compression.layout import plan_layout
+from ds_xc.compression.layout import gather_flat, plan_layout, scatter_flat
 from ds_xc.compression.pays import check_config
 from ds_xc.compression.powersgd import LowRankSteps
 from ds_xc.compression.seeds import mix_seed, seeded_generator
@@ -242,9 +242,8 @@ class CompressedOptimizer(CompressionState, ReductionSteps, LowRankSteps, torch.
     def _reduce_bucket(self, grads: list[torch.Tensor]) -> tuple:
         """The compressed exchange of the flat bucket; returns (sent, global_sent, comm) for close_step."""
         lay = self.layout
-        flat = self._scratch("flat", lay.padded, grads[0].device)  # (n_pad,), padding stays zero
-        for i, start in zip(lay.sparse, lay.starts):
-            flat[start: start + grads[i].numel()].copy_(grads[i].reshape(-1))
+        flat = gather_flat(grads, lay.sparse, lay.starts,
+                           self._scratch("flat", lay.padded, grads[0].device))  # (n_pad,), padding stays zero
         if self.nodes is not None:  # dense inside the node: node mean of this rank's slice (s,)
             x = reduce_scatter_sum(flat, self.nodes, self.counter).div_(self.nodes.local_size)
         else:
@@ -261,8 +260,7 @@ class CompressedOptimizer(CompressionState, ReductionSteps, LowRankSteps, torch.
             global_sent = int(counts.sum())
         if self.nodes is not None:
             reduced = all_gather_slices(reduced, self.nodes, self.counter)  # (n_pad,)
-        for i, start in zip(lay.sparse, lay.starts):
-            grads[i].copy_(reduced[start: start + grads[i].numel()].view_as(grads[i]))
+        scatter_flat(reduced, grads, lay.sparse, lay.starts)
         return idx.numel(), global_sent, self.comm_group
 
     def _close_compressed_step(self, sent: int, global_sent: int, comm=None) -> None:
