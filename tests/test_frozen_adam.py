@@ -164,3 +164,24 @@ def test_default_warmup_follows_the_variance():
         for p in params:
             p.grad = torch.ones_like(p)
         opt.step()
+
+
+def test_channels_last_state_takes_the_mask_path():
+    """A channels_last convolution weight's Adam state is not contiguous: its live elements go through a mask,
+    with the same result as a contiguous copy of the same parameter."""
+    g0 = torch.Generator().manual_seed(3)
+    w = torch.randn(8, 4, 3, 3, generator=g0)
+    grads = [torch.randn(8, 4, 3, 3, generator=g0) for _ in range(WARMUP + 3)]
+    for t in range(WARMUP):
+        grads[t][:2] = 0.0  # two output channels with no estimate when the variance freezes
+    out = []
+    for fmt in (torch.contiguous_format, torch.channels_last):
+        p = torch.nn.Parameter(w.clone().contiguous(memory_format=fmt))
+        opt = CompressedOptimizer(torch.optim.AdamW([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD),
+                                  dict(SECTION, min_numel=1))
+        for g in grads:
+            p.grad = g.clone().contiguous(memory_format=fmt)
+            opt.step()
+        assert opt.inner.state[p]["exp_avg_sq"].is_contiguous() == (fmt is torch.contiguous_format)
+        out.append(p.detach().contiguous())
+    torch.testing.assert_close(out[0], out[1], rtol=1e-6, atol=1e-7)

@@ -79,8 +79,10 @@ def frozen_variance_step(optimizer, cache: dict) -> None:
                 st[FROZEN_KEY] = st["exp_avg_sq"] / (1.0 - beta2 ** done) if done > 0 else torch.zeros_like(p)
             frozen = st[FROZEN_KEY]
             if p not in cache or cache[p][0] is not frozen or cache[p][3] != eps:
-                live = (frozen.reshape(-1) == 0).nonzero().squeeze(1)  # (l,) no estimate: Adam's live one
-                cache[p] = (frozen, frozen.sqrt().add_(eps), live if live.numel() else None, eps)
+                flat = frozen.is_contiguous() and st["exp_avg_sq"].is_contiguous()
+                live = (frozen.reshape(-1) == 0).nonzero().squeeze(1) if flat else frozen == 0  # no estimate
+                some = bool(live.any()) if live.dtype == torch.bool else live.numel() > 0
+                cache[p] = (frozen, frozen.sqrt().add_(eps), live if some else None, eps)
             _, denom, live, _ = cache[p]
             t = done + 1.0
             if torch.is_tensor(st["step"]):
@@ -91,8 +93,11 @@ def frozen_variance_step(optimizer, cache: dict) -> None:
             if decoupled and wd != 0.0:
                 p.mul_(1.0 - lr * wd)
             st["exp_avg"].lerp_(g, 1.0 - beta1)
-            if live is not None:  # Adam's own second moment where nothing was frozen (only there)
-                v, gl = st["exp_avg_sq"].view(-1), g.reshape(-1)[live]
+            if live is not None and live.dtype != torch.bool:  # Adam's own second moment where nothing was
+                v, gl = st["exp_avg_sq"].view(-1), g.reshape(-1)[live]  # frozen (l,), and only there
                 v[live] = v[live].mul_(beta2).addcmul_(gl, gl, value=1.0 - beta2)
                 denom.view(-1)[live] = (v[live] / (1.0 - beta2 ** t)).sqrt_().add_(eps)
+            elif live is not None:  # a non-contiguous state (channels_last): a mask over the whole tensor
+                st["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+                denom = torch.where(live, (st["exp_avg_sq"] / (1.0 - beta2 ** t)).sqrt_().add_(eps), denom)
             p.addcdiv_(st["exp_avg"], denom, value=-lr / (1.0 - beta1 ** t))
