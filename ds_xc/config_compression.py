@@ -18,9 +18,10 @@ __all__ = ["COMPRESSION_SECTION", "PriorConfig", "HierarchyConfig", "PowerSGDCon
            "parse_compression", "ConfigError", "ADAM_WARMUP_STEPS", "PRESETS"]
 
 ADAM_WARMUP_STEPS = 100  # the default warm-up when Adam's variance is frozen (docs/compression.md: how chosen)
-# bayes_prior's keys a preset fills where the section leaves them out. paper (the default): the formula of the GSBP
-# paper and the issue (p = min(1, |v|/tau), 10% exploration); tuned: what is best on the text task with Adam's
-# variance frozen, an opt-in: on the glyphs CNN it lost 14 points (docs/compression.md)
+# bayes_prior's keys a preset fills where the section leaves them out. tuned (the default, equal to the field
+# defaults): a near-hard threshold, no exploration, thresholds every 2 steps; with select_by update it keeps the
+# text task where the paper's formula is and lifts the glyphs CNN (docs/compression.md, "Ranking by the step");
+# paper: the formula of the GSBP paper and the issue (p = min(1, |v|/tau), 10% exploration)
 PRESETS = {"paper": {"exploit_power": 1.0, "stats_sync_interval": 10, "prior": {"strength": 0.1}},
            "tuned": {"exploit_power": 8.0, "stats_sync_interval": 2, "prior": {"strength": 0.0}}}
 
@@ -37,9 +38,9 @@ class PriorConfig(Section):
         "dirichlet: w_b = n * pi_b / c_b with Dirichlet posterior mean pi_b = (c_b + a) / (N + B a) "
         "over the B bins of the global histogram (c_b elements in bin b), so sparsely populated "
         "magnitudes are explored more as the pseudo-count a grows.")
-    strength: float = Field(0.1, ge=0.0, lt=1.0,
+    strength: float = Field(0.0, ge=0.0, lt=1.0,
                             description="Share alpha of the density budget spent on exploration (preset "
-                            "'tuned': 0).")
+                            "'paper': 0.1).")
     pseudo_count: float = Field(1.0, ge=0.0, le=1e9, description="Dirichlet pseudo-count a per bin "
                                 "(form dirichlet only); 0 makes dirichlet equal to uniform.")
 
@@ -73,6 +74,12 @@ class GradientCompressionConfig(Section):
                            "used by powersgd, whose traffic powersgd.rank sets).")
     error_feedback: bool = Field(True, description="Keep what was not sent (v - sent) and add it to "
                                  "the next step's gradient.")
+    select_by: Literal["auto", "magnitude", "update"] = Field(
+        "auto", description="What topk and bayes_prior rank: magnitude = |v|; update = |v| / sqrt(v-hat), v-hat the "
+        "wrapped Adam(W)'s bias-corrected second moment, i.e. the size of the step the pending value would make, so "
+        "a small consistent gradient is not starved by large noisy ones (ds_xc/compression/score.py); auto = update "
+        "with a torch Adam/AdamW that steps the reduced tensors, else magnitude. update needs method topk or "
+        "bayes_prior.")
     warmup_steps: Optional[int] = Field(None, ge=0, description="Optimizer steps reduced densely before compression "
                                         "starts. Default (null): ADAM_WARMUP_STEPS when the wrapped optimizer's "
                                         "variance is frozen (adam_variance auto or frozen), whose estimate the "
@@ -86,16 +93,16 @@ class GradientCompressionConfig(Section):
         "selecting method), else live. frozen needs a warm-up (warmup_steps null or >= 1). Default live: frozen "
         "won on the text task and lost badly on the glyphs CNN (docs/compression.md).")
     preset: Literal["paper", "tuned"] = Field(
-        "paper", description="bayes_prior's exploitation power, exploration and threshold sync interval where the "
-        "section does not set them: paper = the GSBP paper's formula (exploit_power 1, prior.strength 0.1, "
-        "stats_sync_interval 10: the field defaults); tuned = exploit_power 8, no exploration, thresholds every "
-        "2 steps (best on the text task with adam_variance frozen; see docs/compression.md).")
-    stats_sync_interval: int = Field(10, ge=1, le=1 << 20, description="bayes_prior: steps between "
+        "tuned", description="bayes_prior's exploitation power, exploration and threshold sync interval where the "
+        "section does not set them: tuned = exploit_power 8, no exploration, thresholds every 2 steps (the field "
+        "defaults; chosen on the text and glyphs tasks with select_by update, see docs/compression.md); paper = "
+        "the GSBP paper's formula (exploit_power 1, prior.strength 0.1, stats_sync_interval 10).")
+    stats_sync_interval: int = Field(2, ge=1, le=1 << 20, description="bayes_prior: steps between "
                                      "all-reduces of the |v| histograms that set the thresholds (and, "
                                      "with allocation nonzero, between measurements of the allocation).")
     stats_samples: int = Field(262144, ge=0, description="bayes_prior: elements per tensor and rank "
                                "drawn (uniformly) into the histogram at a sync; 0 = every element.")
-    exploit_power: float = Field(1.0, ge=1.0, le=64.0, description="bayes_prior: exponent k of the "
+    exploit_power: float = Field(8.0, ge=1.0, le=64.0, description="bayes_prior: exponent k of the "
                                  "exploitation probability min(1, (|v|/tau)^k); 1 = proportional to |v| "
                                  "(docs/papers.md), larger = closer to a hard threshold (top-k like).")
     prior: PriorConfig = Field(default_factory=PriorConfig, description="bayes_prior exploration.")
@@ -157,6 +164,9 @@ class GradientCompressionConfig(Section):
                              f"error_feedback={self.error_feedback}: the variance is frozen after a dense warm-up, "
                              "for the bursts of error feedback; allowed: warmup_steps null or >= 1, method topk, randomk or "
                              "bayes_prior, error_feedback true (or adam_variance 'auto' / 'live')")
+        if self.select_by == "update" and self.method in ("randomk", "powersgd"):
+            raise ValueError(f"select_by='update' with method={self.method!r}: {self.method} does not rank elements by "
+                             "size; allowed: 'auto' or 'magnitude' (or method 'topk' / 'bayes_prior')")
         if self.method == "powersgd":
             self._check_powersgd()
         return self

@@ -126,7 +126,8 @@ def test_zero1_topk_step_equals_the_float64_reference(pools, world, clip):
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("comp", [{"method": "bayes_prior", "density": 0.2, "min_numel": 64, "stats_sync_interval": 2,
-                                   "adam_variance": "live"},  # ZeRO-1 steps DeepSpeed's optimizer: live variance
+                                   "adam_variance": "live", "select_by": "magnitude"},  # ZeRO-1 steps DeepSpeed's
+                                  # optimizer: a live variance, and its state is partitioned: ranked by |v|
                                   {"method": "randomk", "density": 0.3, "min_numel": 64, "value_dtype": "bfloat16",
                                    "adam_variance": "live"},
                                   {"method": "powersgd", "powersgd": {"rank": 2}, "min_numel": 64}],
@@ -260,7 +261,8 @@ def _xc_config(stage):
     return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": GAS, "steps_per_print": 10**9,
             "gradient_clipping": 0.0, "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
             "gradient_compression": {"method": "bayes_prior", "density": 0.2, "min_numel": 64,
-                                     "stats_sync_interval": 2, "adam_variance": "live"},  # as ZeRO-1 (its step)
+                                     "stats_sync_interval": 2, "adam_variance": "live",  # as ZeRO-1 (its step)
+                                     "select_by": "magnitude"},  # as ZeRO-1 (its Adam state is partitioned)
             "extreme_classification": {"num_classes": C, "embedding_dim": D, "sampler": {"type": "full"},
                                        "loss": {"type": "arcface", "scale": 8.0, "margin": 0.2}, "init_std": 0.5,
                                        "seed": SEED, "optimizer": {"type": "adamw", "lr": 0.05}}}

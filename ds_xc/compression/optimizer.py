@@ -8,7 +8,8 @@ as one flat fp32 bucket:
     x = local gradient                (with a hierarchy: node mean of this rank's slice)
     u = m u + x; v = e + u            (DGC momentum correction, m = momentum_correction)
     v = e + x                         (plain error feedback; v = x without it)
-    S = compressor.select(v)          (per tensor; bayes_prior syncs |v| statistics first)
+    S = compressor.select(score(v))   (per tensor; score: v, or v / sqrt(Adam's v-hat), see score.py;
+                                       bayes_prior syncs the score's statistics first)
     mean over ranks of v[S]           (sparse all-gather, or a values all-reduce for random-k)
     e = v - sent; u[S] = 0            (what was not sent waits for the next step)
 
@@ -38,6 +39,7 @@ from ds_xc.compression.frozen_adam import frozen_variance_step, unsupported_reas
 from ds_xc.compression.layout import gather_flat, plan_layout, scatter_flat
 from ds_xc.compression.pays import check_config
 from ds_xc.compression.powersgd import LowRankSteps
+from ds_xc.compression.score import build_update_score
 from ds_xc.compression.seeds import mix_seed, seeded_generator
 from ds_xc.compression.state import CompressionState
 from ds_xc.compression.steps import ReductionSteps
@@ -109,6 +111,7 @@ class CompressedOptimizer(CompressionState, ReductionSteps, LowRankSteps, torch.
         self.layout = plan_layout(self._params, cfg.min_numel, cfg.enabled, *local,
                                   per_tensor=cfg.granularity == "tensor",
                                   min_dim=self.compressor.min_dim if self.compressor is not None else 1)
+        self._update_score = build_update_score(cfg, optimizer, self._params, self.layout)  # select_by
         self._value_dtype = DTYPES[cfg.value_dtype]
         self._buffers = self._make_buffers()
         self._work: dict = {}  # reused scratch buffers (see _scratch)

@@ -55,9 +55,11 @@ class ReductionSteps:
         if self._allocation_due():
             self._count_nonzero(x, segments)
         v = self._accumulate(x, a, b)  # (s,) the region; [a, b) updated
+        score = v if self._update_score is None else self._update_score(  # (s,) v in units of Adam's steps
+            v, self._scratch("score", v.numel(), v.device), a, v.numel() if b is None else b)
         if sync_stats:
-            self._sync_stats(v, segments, comm=comm)
-        idx = self._select(v, segments)  # (m,)
+            self._sync_stats(score, segments, comm=comm)
+        idx = self._select(score, segments)  # (m,)
         vals = v[idx]  # (m,) a copy: the feedback below leaves it as selected
         self._feedback(v, idx, vals)
         return idx, vals
