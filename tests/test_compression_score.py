@@ -84,8 +84,8 @@ def _ranked_run(rank, world, select_by, steps=4):
         y = torch.randint(0, OUT, (6 + 3 * rank,), generator=g)
         torch.nn.functional.cross_entropy(net(x), y).backward()
         flat = torch.cat([params[i].grad.reshape(-1) for i in lay.sparse])
-        state = [(opt.inner.state[params[i]]["exp_avg_sq"].reshape(-1).clone(), float(opt.inner.state[params[i]]["step"]))
-                 if params[i] in opt.inner.state else None for i in lay.sparse]
+        adam = [opt.inner.state.get(params[i]) for i in lay.sparse]
+        state = [(st["exp_avg_sq"].reshape(-1).clone(), float(st["step"])) if st else None for st in adam]
         v = res[: flat.numel()] + flat
         opt.step()
         out.append({"v": v, "e": res[: flat.numel()].clone(), "state": state})

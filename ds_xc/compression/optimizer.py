@@ -130,8 +130,9 @@ class CompressedOptimizer(CompressionState, ReductionSteps, LowRankSteps, torch.
         numel_bytes = sum(p.numel() * p.element_size() for p in self._params)
         self._dense_step_bytes = allreduce_bytes(numel_bytes, self.world_size)
         self.__dict__["_ready"] = True
-        log.info("CompressedOptimizer: method=%s density=%g, %d of %d tensors compressed (%d elements), "
-                 "%d ranks%s", cfg.method, cfg.density, len(self.layout.sparse), len(self._params),
+        log.info("CompressedOptimizer: method=%s density=%g ranked by %s, %d of %d tensors compressed (%d elements), "
+                 "%d ranks%s", cfg.method, cfg.density, "update" if self._update_score is not None else "magnitude",
+                 len(self.layout.sparse), len(self._params),
                  self.layout.numel, self.world_size,
                  f", {self.nodes.num_nodes} nodes x {self.nodes.local_size}" if self.nodes is not None else "")
         check_config(cfg, self.layout.numel, self.world_size, self.nodes is not None)  # warns if it does not pay
