@@ -11,6 +11,7 @@ import torch
 
 from ds_xc.compression import CompressedOptimizer
 from ds_xc.compression.layout import plan_layout
+from ds_xc.compression.frozen_adam import FROZEN_KEY
 from ds_xc.compression.score import FLOOR, UpdateScore
 from ds_xc.config import ConfigError
 
@@ -51,6 +52,25 @@ def test_score_of_a_region_equals_the_float64_formula():
     assert not torch.allclose(out[:w0], v[:w0])  # the scale matters
     part = score(v, torch.zeros_like(v), 5, 9)  # only [5, 9) is written
     assert torch.equal(part[5:9], out[5:9]) and not part[:5].any() and not part[9:].any()
+
+
+def test_a_frozen_variance_is_the_one_ranked_by():
+    """adam_variance frozen: the steps divide by the frozen v-hat, so the score does too."""
+    net = _net()
+    params = list(net.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    frozen = torch.rand_like(params[0]) ** 4  # (HID, IN) unlike exp_avg_sq, and some below the floor
+    opt.state[params[0]][FROZEN_KEY] = frozen
+    lay = plan_layout(params, 1000, True)
+    v = torch.randn(lay.padded)
+    out = UpdateScore(opt, params, lay)(v, torch.zeros_like(v), 0, params[0].numel())
+    n = params[0].numel()
+    want = v[:n].double() / frozen.reshape(-1).double().clamp(min=FLOOR * float(frozen.double().mean())).sqrt()
+    torch.testing.assert_close(out[:n].double(), want, rtol=1e-6, atol=0.0)
+    assert (frozen.reshape(-1) < FLOOR * float(frozen.mean())).any()  # the floor is exercised
 
 
 def test_auto_resolution_and_errors(caplog):

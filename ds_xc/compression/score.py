@@ -12,7 +12,8 @@ docs/compression.md.
 
 ``floor`` = ``FLOOR`` x the tensor's mean v-hat (an RMS of 1% of the tensor's): an element with no
 second moment yet (an embedding row no batch looked up so far) is ranked as if its gradients were
-that small, not divided by zero. The wrapped optimizer's state is the same on every rank (it is
+that small, not divided by zero. With ``adam_variance: frozen`` the score divides by the frozen
+v-hat, the one the steps divide by. The wrapped optimizer's state is the same on every rank (it is
 replicated), so every rank ranks with the same scale; the values sent are v itself, the score only
 chooses which.
 """
@@ -23,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from ds_xc.compression.frozen_adam import FROZEN_KEY
 from ds_xc.config_base import COMPRESSION_SECTION, ConfigError
 
 log = logging.getLogger(__name__)
@@ -68,10 +70,13 @@ class UpdateScore:
             if "exp_avg_sq" not in st or steps == 0:  # no second moment yet: rank by |v|
                 out[lo:hi].copy_(v[lo:hi])
                 continue
-            sq = st["exp_avg_sq"]
-            vhat = sq.reshape(-1)[offset + lo - start: offset + hi - start] / (1.0 - self.beta2[id(p)] ** steps)
-            floor = FLOOR * float(sq.mean()) / (1.0 - self.beta2[id(p)] ** steps)
-            torch.div(v[lo:hi], vhat.clamp_(min=max(floor, 1e-38)).sqrt_(), out=out[lo:hi])
+            if FROZEN_KEY in st:  # adam_variance frozen: the v-hat the steps divide by (bias-corrected)
+                full, scale = st[FROZEN_KEY], 1.0
+            else:
+                full, scale = st["exp_avg_sq"], 1.0 / (1.0 - self.beta2[id(p)] ** steps)
+            vhat = full.reshape(-1)[offset + lo - start: offset + hi - start].mul(scale)  # (hi - lo,) a copy
+            floor = full.mean().mul_(FLOOR * scale).clamp_(min=1e-38)  # 0-dim, on the device: no host sync
+            torch.div(v[lo:hi], vhat.clamp_(min=floor).sqrt_(), out=out[lo:hi])
         return out
 
 
