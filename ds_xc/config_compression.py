@@ -143,7 +143,7 @@ class GradientCompressionConfig(Section):
     @classmethod
     def _apply_preset(cls, data: Any) -> Any:
         """Fill the keys the preset names that the section leaves out (explicit keys win)."""
-        if not (isinstance(data, dict) and data.get("preset") in PRESETS):
+        if not (isinstance(data, dict) and isinstance(data.get("preset"), str) and data["preset"] in PRESETS):
             return data
         data = dict(data)
         for key, value in PRESETS[data["preset"]].items():

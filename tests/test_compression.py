@@ -39,6 +39,9 @@ def test_config_defaults_and_registry():
     ({"prior": {"strength": 1.0}}, "gradient_compression.prior.strength", "less than 1"),
     ({"prior": {"form": "beta"}}, "gradient_compression.prior.form", "'dirichlet'"),
     ({"bins": 8}, "gradient_compression.bins", "greater than or equal to 16"),
+    ({"preset": []}, "gradient_compression.preset", "'tuned'"),  # unhashable: no TypeError from the preset lookup
+    ({"select_by": "size"}, "gradient_compression.select_by", "'update'"),
+    ({"method": "randomk", "select_by": "update"}, "gradient_compression", "does not rank elements"),
     ({"hierarchy": {"ranks_per_node": -1}}, "gradient_compression.hierarchy.ranks_per_node", ">= 0"),
     ({"value_dtype": "float16"}, "gradient_compression.value_dtype", "'bfloat16'"),
     ({"densty": 0.1}, "gradient_compression.densty", "unknown key"),
