@@ -37,7 +37,7 @@ class PriorConfig(Section):
         "uniform", description="uniform: w_b = 1 (every element equally likely to be explored); "
         "dirichlet: w_b = n * pi_b / c_b with Dirichlet posterior mean pi_b = (c_b + a) / (N + B a) "
         "over the B bins of the global histogram (c_b elements in bin b), so sparsely populated "
-        "magnitudes are explored more as the pseudo-count a grows.")
+        "magnitudes are explored more as the pseudo-count a grows (needs strength > 0 with bayes_prior).")
     strength: float = Field(0.0, ge=0.0, lt=1.0,
                             description="Share alpha of the density budget spent on exploration (preset "
                             "'paper': 0.1).")
@@ -164,6 +164,10 @@ class GradientCompressionConfig(Section):
                              f"error_feedback={self.error_feedback}: the variance is frozen after a dense warm-up, "
                              "for the bursts of error feedback; allowed: warmup_steps null or >= 1, method topk, randomk or "
                              "bayes_prior, error_feedback true (or adam_variance 'auto' / 'live')")
+        if self.method == "bayes_prior" and self.prior.form == "dirichlet" and self.prior.strength == 0.0:
+            raise ValueError("prior.form='dirichlet' with prior.strength=0.0 (preset 'tuned''s default): no budget "
+                             "is spent on exploration, so the form would change nothing; allowed: prior.strength in "
+                             "(0, 1) (e.g. 0.1, or preset 'paper'), or prior.form 'uniform'")
         if self.select_by == "update" and self.method in ("randomk", "powersgd"):
             raise ValueError(f"select_by='update' with method={self.method!r}: {self.method} does not rank elements by "
                              "size; allowed: 'auto' or 'magnitude' (or method 'topk' / 'bayes_prior')")

@@ -28,15 +28,23 @@ from typing import Optional
 
 import torch
 
-__all__ = ["FROZEN_KEY", "unsupported_reason", "frozen_variance_step"]
+__all__ = ["FROZEN_KEY", "not_torch_adam", "unsupported_reason", "frozen_variance_step"]
 
 FROZEN_KEY = "frozen_exp_avg_sq"
 
 
-def unsupported_reason(optimizer) -> Optional[str]:
-    """Why ``optimizer`` cannot take the frozen-variance step (None: it can)."""
+def not_torch_adam(optimizer) -> Optional[str]:
+    """Why ``optimizer`` is not a torch.optim.Adam or AdamW, whose state this module reads (None: it is one)."""
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         return f"the wrapped optimizer is {type(optimizer).__name__}, not torch.optim.Adam or torch.optim.AdamW"
+    return None
+
+
+def unsupported_reason(optimizer) -> Optional[str]:
+    """Why ``optimizer`` cannot take the frozen-variance step (None: it can)."""
+    why = not_torch_adam(optimizer)
+    if why is not None:
+        return why
     for key in ("amsgrad", "maximize", "differentiable"):
         if any(g.get(key) for g in optimizer.param_groups):
             return f"the wrapped optimizer has {key}=True"

@@ -12,6 +12,7 @@ so the budget goes to the largest |v| wherever they are.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -80,15 +81,19 @@ def plan_layout(params: list[torch.Tensor], min_numel: int, compress: bool, loca
     return layout
 
 
-def gather_flat(grads: list[torch.Tensor], sparse: list[int], starts: list[int], flat: torch.Tensor) -> torch.Tensor:
+Grads = Sequence[torch.Tensor] | Mapping[int, torch.Tensor]  # indexed by parameter position
+
+
+def gather_flat(grads: Grads, sparse: list[int], starts: list[int], flat: torch.Tensor) -> torch.Tensor:
     """Copy the bucket's tensors ``grads[i]`` (i in ``sparse``) into ``flat`` at their ``starts``; returns
-    ``flat`` (its padding is left as it is)."""
+    ``flat`` (its padding is left as it is). ``grads`` is indexed by parameter position (a list of all,
+    or a dict of some: the overlapped reducer passes one bucket's)."""
     for i, start in zip(sparse, starts):
         flat[start: start + grads[i].numel()].copy_(grads[i].reshape(-1))
     return flat
 
 
-def scatter_flat(flat: torch.Tensor, grads: list[torch.Tensor], sparse: list[int], starts: list[int]) -> None:
+def scatter_flat(flat: torch.Tensor, grads: Grads, sparse: list[int], starts: list[int]) -> None:
     """The inverse of :func:`gather_flat`: each ``grads[i]`` (i in ``sparse``) takes its slice of ``flat``,
     in its own dtype."""
     for i, start in zip(sparse, starts):

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ds_xc.compression.config import COMPRESSION_SECTION
+from ds_xc.compression.layout import gather_flat, scatter_flat
 from ds_xc.compression.transport import start_sparse_allgather_mean
 from ds_xc.config import ConfigError, HEAD_SECTION
 from ds_xc.parallel.buckets import BucketedGradReducer
@@ -63,7 +64,8 @@ class OverlappedCompressedReducer(BucketedGradReducer):
                 raise AssertionError("bucket's compressed tensors are not contiguous in the flat layout")
             members = set(sparse)
             segs = [s for s in lay.segments if s.index in members]
-            self._plan.append({"sparse": sparse, "dense": dense, "range": (a, b), "segments": segs})
+            self._plan.append({"sparse": sparse, "starts": [start_of[i] for i in sparse], "dense": dense,
+                               "range": (a, b), "segments": segs})
         self._state: list = [None] * len(self.buckets)
 
     # ------------------------------------------------------------------ per step
@@ -102,9 +104,7 @@ class OverlappedCompressedReducer(BucketedGradReducer):
                     self.timeline.issued("grad_reduce", flat.numel() * flat.element_size())
         if plan["sparse"]:
             a, e = plan["range"]
-            for i in plan["sparse"]:
-                start = opt.layout.starts[opt.layout.sparse.index(i)]
-                self._flat[start: start + self.params[i].numel()].copy_(self._grad(i).reshape(-1))
+            gather_flat(self._grads(plan["sparse"]), plan["sparse"], plan["starts"], self._flat)
             # NaN/Inf would break the thresholds and selection on this rank only (its peers then wait
             # in the next collective): compress them as 0. The .grad keeps them, so XCEngine sees them
             # and skips the step (restarting these residuals) on every rank.
@@ -124,6 +124,10 @@ class OverlappedCompressedReducer(BucketedGradReducer):
                 self.timeline.issued("grad_reduce", vals.numel() * (2 + opt.value_dtype.itemsize))
             state["idx"] = idx
         self._state[b] = state
+
+    def _grads(self, idx: list[int]) -> dict[int, torch.Tensor]:
+        """{i: .grad of parameter i} for i in ``idx`` (zeros where there is none)."""
+        return {i: self._grad(i) for i in idx}
 
     def _grad(self, i: int) -> torch.Tensor:
         p = self.params[i]
@@ -169,10 +173,7 @@ class OverlappedCompressedReducer(BucketedGradReducer):
                 reduced, counts = state["sparse"].wait(self.timeline)
                 global_sent += int(counts.sum())
             sent += idx.numel()
-            for i in plan["sparse"]:
-                start = opt.layout.starts[opt.layout.sparse.index(i)] - a
-                g = self._grad(i)
-                g.copy_(reduced[start: start + g.numel()].view_as(g))
+            scatter_flat(reduced, self._grads(plan["sparse"]), plan["sparse"], [s - a for s in plan["starts"]])
         self.armed = False
         self._state = [None] * len(self.buckets)
         opt.close_step(self._before, (sent, global_sent, self.comm_group) if opt.layout.numel else None, by_hooks=True)

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from ds_xc.compression.frozen_adam import FROZEN_KEY
+from ds_xc.compression.frozen_adam import FROZEN_KEY, not_torch_adam
 from ds_xc.config_base import COMPRESSION_SECTION, ConfigError
 
 log = logging.getLogger(__name__)
@@ -36,8 +36,9 @@ FLOOR = 1e-4  # v-hat floor, relative to the tensor's mean v-hat
 
 def update_score_unsupported(optimizer, params: list) -> Optional[str]:
     """Why ``select_by: update`` cannot rank ``params`` by ``optimizer``'s steps (None: it can)."""
-    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        return f"the wrapped optimizer is {type(optimizer).__name__}, not torch.optim.Adam or torch.optim.AdamW"
+    why = not_torch_adam(optimizer)
+    if why is not None:
+        return why
     owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
     if any(id(p) not in owned for p in params):
         return "the wrapped optimizer steps other tensors than the ones reduced (master copies)"
@@ -49,7 +50,8 @@ class UpdateScore:
 
     def __init__(self, optimizer, params: list, layout):
         self.optimizer = optimizer
-        self.beta2 = {id(p): g["betas"][1] for g in optimizer.param_groups for p in g["params"]}
+        # each parameter's group (the optimizer's own dict: a later change of betas is followed)
+        self.group = {id(p): g for g in optimizer.param_groups for p in g["params"]}
         lo, hi = layout.region
         # (param, region start, region end, offset in the param) for each compressed parameter in the region
         self.parts = []
@@ -73,7 +75,7 @@ class UpdateScore:
             if FROZEN_KEY in st:  # adam_variance frozen: the v-hat the steps divide by (bias-corrected)
                 full, scale = st[FROZEN_KEY], 1.0
             else:
-                full, scale = st["exp_avg_sq"], 1.0 / (1.0 - self.beta2[id(p)] ** steps)
+                full, scale = st["exp_avg_sq"], 1.0 / (1.0 - self.group[id(p)]["betas"][1] ** steps)
             vhat = full.reshape(-1)[offset + lo - start: offset + hi - start].mul(scale)  # (hi - lo,) a copy
             floor = full.mean().mul_(FLOOR * scale).clamp_(min=1e-38)  # 0-dim, on the device: no host sync
             torch.div(v[lo:hi], vhat.clamp_(min=floor).sqrt_(), out=out[lo:hi])
