@@ -44,9 +44,12 @@ def in_namespaces(script: str, argv: list[str], rate: str, port: int, timeout: f
         cmd = [NETNS, "-r", rate, "-p", str(port), "-c", counters, "--", "env", "OMP_NUM_THREADS=1",
                sys.executable, os.path.join(ROOT, "benchmarks", script), *argv, "--out", out]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        if proc.returncode:
+        if proc.returncode and not (os.path.exists(out) and os.path.exists(counters)):
             raise RuntimeError(f"{shlex.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n"
                                f"{proc.stderr[-4000:]}")
+        if proc.returncode:  # rank 0 writes its result after the last collective: only the exit failed
+            print(f"warning: {script} {' '.join(argv[:4])} ... exited {proc.returncode} after writing its "
+                  f"result (kept):\n{proc.stderr[-600:]}", file=sys.stderr, flush=True)
         with open(out) as fh, open(counters) as fc:
             return json.load(fh), json.load(fc)
 

@@ -177,18 +177,24 @@ def main(argv=None) -> str:
                   f"{'target at step %d, %.1f s' % (hit['step'], hit['train_s']) if hit else 'target not reached'}",
                   flush=True)
         results[rate] = (runs, target)
-    report = render(args, command, started, time.time() - t0, results)
+        report = render(args, command, started, time.time() - t0, results)
+        write(args.out, report, results)  # after every link: a later failure keeps what was measured
     print(report)
     if args.out != "-":
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
-        with open(args.out, "w") as fh:
-            fh.write(report + "\n")
-        stem = os.path.splitext(args.out)[0]
-        with open(stem + ".json", "w") as fh:  # every run's record and curve: --replot redraws from it
-            json.dump({rate: {"target": target, "runs": [[n, r, c] for n, r, c in runs]}
-                       for rate, (runs, target) in results.items()}, fh)
-        save_plot(results, stem + ".png")
+        save_plot(results, os.path.splitext(args.out)[0] + ".png")
     return report
+
+
+def write(out: str, report: str, results: dict) -> None:
+    """The report as ``out`` and every run's record and curve as a .json beside it (--replot redraws from it)."""
+    if out == "-":
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as fh:
+        fh.write(report + "\n")
+    with open(os.path.splitext(out)[0] + ".json", "w") as fh:
+        json.dump({rate: {"target": target, "runs": [[n, r, c] for n, r, c in runs]}
+                   for rate, (runs, target) in results.items()}, fh)
 
 
 def save_plot(results: dict, path: str) -> None:
