@@ -23,7 +23,7 @@ ADAM_WARMUP_STEPS = 100  # the default warm-up when Adam's variance is frozen (d
 # text task where the paper's formula is and lifts the glyphs CNN (docs/compression.md, "Ranking by the step");
 # paper: the formula of the GSBP paper and the issue (p = min(1, |v|/tau), 10% exploration)
 PRESETS = {"paper": {"exploit_power": 1.0, "stats_sync_interval": 10, "prior": {"strength": 0.1}},
-           "tuned": {"exploit_power": 8.0, "stats_sync_interval": 2, "prior": {"strength": 0.0}}}
+           "tuned": {"exploit_power": 32.0, "stats_sync_interval": 2, "prior": {"strength": 0.0}}}
 
 
 class PriorConfig(Section):
@@ -94,7 +94,7 @@ class GradientCompressionConfig(Section):
         "won on the text task and lost badly on the glyphs CNN (docs/compression.md).")
     preset: Literal["paper", "tuned"] = Field(
         "tuned", description="bayes_prior's exploitation power, exploration and threshold sync interval where the "
-        "section does not set them: tuned = exploit_power 8, no exploration, thresholds every 2 steps (the field "
+        "section does not set them: tuned = exploit_power 32, no exploration, thresholds every 2 steps (the field "
         "defaults; chosen on the text and glyphs tasks with select_by update, see docs/compression.md); paper = "
         "the GSBP paper's formula (exploit_power 1, prior.strength 0.1, stats_sync_interval 10).")
     stats_sync_interval: int = Field(2, ge=1, le=1 << 20, description="bayes_prior: steps between "
@@ -102,7 +102,7 @@ class GradientCompressionConfig(Section):
                                      "with allocation nonzero, between measurements of the allocation).")
     stats_samples: int = Field(262144, ge=0, description="bayes_prior: elements per tensor and rank "
                                "drawn (uniformly) into the histogram at a sync; 0 = every element.")
-    exploit_power: float = Field(8.0, ge=1.0, le=64.0, description="bayes_prior: exponent k of the "
+    exploit_power: float = Field(32.0, ge=1.0, le=64.0, description="bayes_prior: exponent k of the "
                                  "exploitation probability min(1, (|v|/tau)^k); 1 = proportional to |v| "
                                  "(docs/papers.md), larger = closer to a hard threshold (top-k like).")
     prior: PriorConfig = Field(default_factory=PriorConfig, description="bayes_prior exploration.")

@@ -209,14 +209,14 @@ def _train_classifier(rank, world, cfg, steps, lr=0.5):
 def test_bayes_prior_density_within_20_percent_over_100_steps(pools, form):
     cfg = {"method": "bayes_prior", "density": 0.01, "min_numel": 4096, "preset": "paper",
            "prior": {"form": form, "strength": 0.1, "pseudo_count": 1.0}}
-    if form == "tuned":  # exploit_power 8, no exploration, thresholds every 2 steps
+    if form == "tuned":  # exploit_power 32, no exploration, thresholds every 2 steps
         cfg = {"method": "bayes_prior", "density": 0.01, "min_numel": 4096, "preset": "tuned"}
     results = pools(2).run(_train_classifier, cfg, 100, 0.2)
     for r in results:
         assert r["stats"]["compressed_steps"] == 100
         assert r["stats"]["global_density"] == pytest.approx(0.01, rel=0.2)
         assert r["stats"]["density"] == pytest.approx(0.01, rel=0.2)
-        # no step far off either (a stray step triggers a re-sync); with exploit_power 8 the thresholds of the
+        # no step far off either (a stray step triggers a re-sync); with exploit_power 32 the thresholds of the
         # first syncs (steps 0, 1, 2, 4, 8), from a histogram of 4 bins an octave, can overshoot a few steps
         settled = 0 if form != "tuned" else 10
         assert max(r["densities"][settled:]) < 0.02 and max(r["densities"]) < 0.05
