@@ -42,7 +42,6 @@ def test_config_defaults_and_registry():
     ({"preset": []}, "gradient_compression.preset", "'tuned'"),  # unhashable: no TypeError from the preset lookup
     ({"select_by": "size"}, "gradient_compression.select_by", "'update'"),
     ({"method": "randomk", "select_by": "update"}, "gradient_compression", "does not rank elements"),
-    ({"prior": {"form": "dirichlet"}}, "gradient_compression", "prior.form='dirichlet' with prior.strength=0.0"),
     ({"hierarchy": {"ranks_per_node": -1}}, "gradient_compression.hierarchy.ranks_per_node", ">= 0"),
     ({"value_dtype": "float16"}, "gradient_compression.value_dtype", "'bfloat16'"),
     ({"densty": 0.1}, "gradient_compression.densty", "unknown key"),
@@ -54,12 +53,18 @@ def test_config_errors_name_the_key(section, key, words):
     assert words in msg or words.replace(">= ", "greater than or equal to ") in msg
 
 
-def test_dirichlet_needs_an_exploration_budget():
-    """With preset tuned's strength 0 a dirichlet form would explore nothing: refused above; with a budget
-    (explicit or preset paper's) it parses, and other methods ignore the prior."""
-    assert parse_compression({"preset": "paper", "prior": {"form": "dirichlet"}}).prior.strength == 0.1
-    assert parse_compression({"prior": {"form": "dirichlet", "strength": 0.05}}).prior.form == "dirichlet"
-    assert parse_compression({"method": "topk", "prior": {"form": "dirichlet"}}).method == "topk"
+def test_dirichlet_without_an_exploration_budget_warns(caplog):
+    """With preset tuned's strength 0 a dirichlet form would explore nothing: a warning naming the keys; with
+    a budget (explicit or preset paper's) none, and other methods ignore the prior."""
+    with caplog.at_level(logging.WARNING, logger="ds_xc.config_compression"):
+        assert parse_compression({"prior": {"form": "dirichlet"}}).prior.strength == 0.0
+    assert "gradient_compression.prior.form='dirichlet' with prior.strength=0.0" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ds_xc.config_compression"):
+        assert parse_compression({"preset": "paper", "prior": {"form": "dirichlet"}}).prior.strength == 0.1
+        assert parse_compression({"prior": {"form": "dirichlet", "strength": 0.05}}).prior.form == "dirichlet"
+        assert parse_compression({"method": "topk", "prior": {"form": "dirichlet"}}).method == "topk"
+    assert "dirichlet" not in caplog.text
 
 
 def test_config_rejects_non_dict():
