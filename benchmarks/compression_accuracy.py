@@ -62,15 +62,16 @@ def parse_variant(text: str) -> tuple[str, dict]:
     return method, json.loads(extra or "{}")
 
 
-def run_ranks(world: int, argv: list[str], timeout: float, env_extra: dict | None = None) -> dict:
-    """Start ``world`` ranks of compression_train.py on 127.0.0.1; return rank 0's JSON."""
+def run_ranks(world: int, argv: list[str], timeout: float, env_extra: dict | None = None, threads: int = 1) -> dict:
+    """Start ``world`` ranks of compression_train.py on 127.0.0.1, ``threads`` intra-op threads each;
+    return rank 0's JSON."""
     port = free_port()
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
         out = fh.name
     procs = []
     for r in range(world):
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", **(env_extra or {}))
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads), **(env_extra or {}))
         procs.append(subprocess.Popen([sys.executable, TRAIN, *argv, "--out", out], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = []
@@ -95,13 +96,22 @@ def dense_bytes_per_step(result: dict) -> float:
     return 2 * (world - 1) * numel * elem / world
 
 
+def tar_cells(r: dict, base: dict | None) -> str:
+    """The verification columns of one row: TAR at FAR 1e-3 (with its delta vs dense) and 1e-4."""
+    v, b = r.get("verification"), (base or {}).get("verification")
+    if v is None:
+        return " n/a | n/a | n/a |"
+    delta = f"{100 * (v['tar@far=0.001'] - b['tar@far=0.001']):+.2f}" if b else "n/a"
+    return f" {v['tar@far=0.001']:.4f} | {delta} | {v['tar@far=0.0001']:.4f} |"
+
+
 def render(rows: list[dict], args, command: str, started: str, wall: float) -> str:
     lines = ["# Compressed backbone reduction: accuracy and bytes on launch/train.py tasks\n",
              f"- command: `{command}`", f"- date: {started}, wall time {wall / 60:.1f} min",
              f"- ds_xc at git {git_rev(('ds_xc', 'launch', 'benchmarks', 'configs'))}",
              f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
              f"torch {rows[0].get('torch', '?') if rows else '?'}",
-             f"- {args.world} ranks on 127.0.0.1 (gloo, 1 thread each), {args.steps} steps per variant, "
+             f"- {args.world} ranks on 127.0.0.1 (gloo, {args.threads} thread(s) each), {args.steps} steps per variant, "
              f"density {args.density}, error feedback on, seed {args.seed}; ZeRO stage 0 for every variant; held-out top-1/top-5 "
              f"over all classes on up to {args.eval_samples} samples",
              "- bytes: per rank and step, ring volumes (dense = 2(P-1)/P x gradient bytes); "
@@ -112,9 +122,11 @@ def render(rows: list[dict], args, command: str, started: str, wall: float) -> s
         first = group[0]
         lines.append(f"## {task} ({first['data']}, {first['num_classes']} classes, backbone "
                      f"{first['backbone_numel'] / 1e6:.2f} M parameters)\n")
+        verified = any("verification" in r for r in group)
+        tar_head = " TAR@FAR 1e-3 | delta TAR (points) | TAR@FAR 1e-4 |" if verified else ""
         lines.append("| variant | achieved density | sent B/step | dense B/step | 1/x | top-1 | delta top-1 "
-                     "(points) | top-5 | loss (last 10) | s/step |")
-        lines.append("|---|---|---|---|---|---|---|---|---|---|")
+                     "(points) | top-5 | loss (last 10) | s/step |" + tar_head)
+        lines.append("|---|---|---|---|---|---|---|---|---|---|" + "---|---|---|" * verified)
         for r in group:
             dense_b = dense_bytes_per_step(r)
             comp = r.get("compression")
@@ -122,7 +134,8 @@ def render(rows: list[dict], args, command: str, started: str, wall: float) -> s
             dens = f"{comp['global_density']:.4f}" if comp else "1"
             delta = f"{100 * (r['top1'] - base['top1']):+.2f}" if base else "n/a"
             lines.append(f"| {r['variant']} | {dens} | {sent:,.0f} | {dense_b:,.0f} | {dense_b / sent:.1f} | "
-                         f"{r['top1']:.4f} | {delta} | {r['top5']:.4f} | {r['loss_last10']:.3f} | {r['step_s']:.3f} |")
+                         f"{r['top1']:.4f} | {delta} | {r['top5']:.4f} | {r['loss_last10']:.3f} | {r['step_s']:.3f} |"
+                         + (tar_cells(r, base) if verified else ""))
         lines.append("")
     return "\n".join(lines)
 
@@ -138,6 +151,11 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--eval_samples", type=int, default=50000,
                    help="held-out samples (the text task has about 55k; 8192 would leave +-0.4 points of noise)")
     p.add_argument("--seed", type=int, default=0, help="xc_train.seed and extreme_classification.seed")
+    p.add_argument("--threads", type=int, default=1,
+                   help="intra-op threads per rank; another count changes the rounding of some kernels (CPU "
+                   "convolutions): a dense run at 2 is the same training perturbed at the last bit")
+    p.add_argument("--verify", action="store_true",
+                   help="also TAR at FAR 1e-3 / 1e-4 on held-out designs where the data set has them (glyphs)")
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--out", default=DEFAULT_OUT, help="markdown file ('-': print only)")
     p.add_argument("--smoke", action="store_true", help="10 steps, print only")
@@ -153,8 +171,8 @@ def main(argv=None) -> list[dict]:
             method, extra = parse_variant(name)
             argv_rank = ["--config", os.path.join(ROOT, config), "--method", method, "--density", str(args.density),
                          "--steps", str(args.steps), "--eval", "--eval_samples", str(args.eval_samples),
-                         "--compression", json.dumps(extra), "--seed", str(args.seed)]
-            res = run_ranks(args.world, argv_rank, args.timeout)
+                         "--compression", json.dumps(extra), "--seed", str(args.seed)] + ["--verify"] * args.verify
+            res = run_ranks(args.world, argv_rank, args.timeout, threads=args.threads)
             res["variant"] = name.split("=", 1)[0]
             rows.append(res)
             print(f"{config} {name}: top1 {res['top1']:.4f} loss {res['loss_last10']:.3f} "

@@ -45,6 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--eval", action="store_true", help="held-out top-1/top-5 at the end")
+    p.add_argument("--verify", action="store_true",
+                   help="also TAR at FAR 1e-3 / 1e-4 on the data set's held-out designs at the end (glyphs)")
     p.add_argument("--eval_samples", type=int, help="override xc_train.eval_samples")
     p.add_argument("--eval_every", type=int, default=0, help="held-out top-1 every N steps (0: only --eval)")
     p.add_argument("--target", type=float, default=0.0, help="stop at the first evaluation with top-1 >= this")
@@ -66,8 +68,9 @@ def main(argv=None) -> dict:
     from ds_xc.compression import attach_to_engine
     from ds_xc.data import build_task_data
     from ds_xc.engine import init_distributed, load_raw_config
-    from ds_xc.evaluate import evaluate_topk
+    from ds_xc.evaluate import evaluate_topk, verification
     from ds_xc.models import build_backbone
+    from ds_xc.parallel.agree import all_or_none
 
     init_distributed(timeout_s=600)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -144,6 +147,13 @@ def main(argv=None) -> dict:
     if args.eval:
         ev = curve[-1] if curve and curve[-1]["step"] == len(times) else evaluate()
         result.update(top1=ev["top1"], top5=ev["top5"], eval_samples=ev["samples"])
+    if args.verify and hasattr(data, "verification_set"):  # as launch/train.py: rank 0, the backbone is replicated
+        with all_or_none("verification on rank 0", dist.group.WORLD):
+            if rank == 0:
+                xc.eval()
+                images, labels, designs = data.verification_set()
+                result["verification"] = verification(lambda x: xc.engine(x.to(cast) if cast else x),
+                                                      images, labels, designs)
     # drop the engine (its reducers hold process-group work) while the interpreter is whole: left to
     # teardown after the group is destroyed, a finished 10 Gbit/s dense_rows run once aborted (exit -6)
     del xc, comp, data, backbone, evaluate
