@@ -8,14 +8,11 @@ naming the key path, the value and what is allowed. ds_xc.compression.config re-
 """
 from __future__ import annotations
 
-import logging
 from typing import Any, Literal, Optional
 
 from pydantic import Field, model_validator
 
 from ds_xc.config_base import COMPRESSION_SECTION, ConfigError, Section, validate_section
-
-log = logging.getLogger(__name__)
 
 __all__ = ["COMPRESSION_SECTION", "PriorConfig", "HierarchyConfig", "PowerSGDConfig", "GradientCompressionConfig",
            "parse_compression", "ConfigError", "ADAM_WARMUP_STEPS", "PRESETS"]
@@ -167,11 +164,6 @@ class GradientCompressionConfig(Section):
                              f"error_feedback={self.error_feedback}: the variance is frozen after a dense warm-up, "
                              "for the bursts of error feedback; allowed: warmup_steps null or >= 1, method topk, randomk or "
                              "bayes_prior, error_feedback true (or adam_variance 'auto' / 'live')")
-        if self.method == "bayes_prior" and self.prior.form == "dirichlet" and self.prior.strength == 0.0:
-            # a warning, not an error: each field's value is valid alone (tests/test_config_fuzz.py)
-            log.warning("%s.prior.form='dirichlet' with prior.strength=0.0 (preset 'tuned''s default): no budget is "
-                        "spent on exploration, so the form changes nothing; set prior.strength in (0, 1) (e.g. 0.1, "
-                        "or preset 'paper') to explore", COMPRESSION_SECTION)
         if self.select_by == "update" and self.method in ("randomk", "powersgd"):
             raise ValueError(f"select_by='update' with method={self.method!r}: {self.method} does not rank elements by "
                              "size; allowed: 'auto' or 'magnitude' (or method 'topk' / 'bayes_prior')")

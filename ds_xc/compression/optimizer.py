@@ -135,6 +135,10 @@ class CompressedOptimizer(CompressionState, ReductionSteps, LowRankSteps, torch.
                  len(self.layout.sparse), len(self._params),
                  self.layout.numel, self.world_size,
                  f", {self.nodes.num_nodes} nodes x {self.nodes.local_size}" if self.nodes is not None else "")
+        if cfg.method == "bayes_prior" and cfg.prior.form == "dirichlet" and cfg.prior.strength == 0.0:
+            log.warning("%s.prior.form='dirichlet' with prior.strength=0.0 (preset 'tuned''s default): no budget is "
+                        "spent on exploration, so the form changes nothing; set prior.strength in (0, 1) (e.g. 0.1, "
+                        "or preset 'paper') to explore", COMPRESSION_SECTION)  # not an error: each value is valid alone
         check_config(cfg, self.layout.numel, self.world_size, self.nodes is not None)  # warns if it does not pay
 
     @staticmethod
