@@ -41,6 +41,17 @@ def _popcnt_flags() -> list:
     return ["-mpopcnt"] if platform.machine() in ("x86_64", "AMD64") else []
 
 
+def _header_flags(*headers: str) -> list:
+    """A define per included header of ops/csrc/ carrying its content hash: torch's JIT cache hashes the
+    sources and the flags, not the headers they include, so an edit of a header rebuilds the op."""
+    flags = []
+    for name in headers:
+        with open(os.path.join(CSRC, name), "rb") as f:
+            sha = hashlib.sha1(f.read()).hexdigest()[:16]
+        flags.append(f"-DDS_XC_{re.sub(r'[^A-Z0-9]', '_', name.upper())}_SHA={sha}")
+    return flags
+
+
 class _DsXcOp:
     """What every ds_xc op builder shares (mixed in before DeepSpeed's builder class): the name
     ``NAME``, the module it installs as (``ds_xc_ops.<NAME>_op``) and the headers in ops/csrc/."""
@@ -66,7 +77,7 @@ class HammingBuilder(_DsXcOp, OpBuilder):
         return [os.path.join(CSRC, "hamming_cpu.cpp"), os.path.join(CSRC, "pack_cpu.cpp")]
 
     def cxx_args(self):
-        return ["-O3", "-fopenmp", "-Wall", *_popcnt_flags()]
+        return ["-O3", "-fopenmp", "-Wall", *_popcnt_flags(), *_header_flags("cpu_simd.h")]
 
     def extra_ldflags(self):
         return ["-fopenmp"]
@@ -120,15 +131,11 @@ class RowsBuilder(_DsXcOp, OpBuilder):
     NAME = "ds_xc_rows_cpu"
 
     def sources(self):
-        return [os.path.join(CSRC, "rows_cpu.cpp")]  # includes rows_body.h
+        return [os.path.join(CSRC, "rows_cpu.cpp")]  # includes rows_body.h and cpu_simd.h
 
     def cxx_args(self):
-        # no contraction: the loops fuse a multiply-add exactly where PyTorch's kernels do (std::fma).
-        # torch's JIT cache hashes the sources and the flags, not included headers: the header's hash
-        # as a define makes an edit of rows_body.h rebuild the op.
-        with open(os.path.join(CSRC, "rows_body.h"), "rb") as f:
-            body = hashlib.sha1(f.read()).hexdigest()[:16]
-        return ["-O3", "-Wall", "-ffp-contract=off", f"-DDS_XC_ROWS_BODY_SHA={body}"]
+        # no contraction: the loops fuse a multiply-add exactly where PyTorch's kernels do (std::fma)
+        return ["-O3", "-Wall", "-ffp-contract=off", *_header_flags("rows_body.h", "cpu_simd.h")]
 
 
 class SoftmaxBuilder(_DsXcOp, OpBuilder):
@@ -141,7 +148,7 @@ class SoftmaxBuilder(_DsXcOp, OpBuilder):
         return [os.path.join(CSRC, "softmax_cpu.cpp")]
 
     def cxx_args(self):
-        return ["-O3", "-Wall"]
+        return ["-O3", "-Wall", *_header_flags("cpu_simd.h")]
 
 
 class SelectBuilder(_DsXcOp, OpBuilder):
@@ -154,7 +161,7 @@ class SelectBuilder(_DsXcOp, OpBuilder):
         return [os.path.join(CSRC, "select_cpu.cpp")]
 
     def cxx_args(self):
-        return ["-O3", "-Wall"]
+        return ["-O3", "-Wall", *_header_flags("cpu_simd.h")]
 
 
 BUILDERS = {"cpu": HammingBuilder, "cuda": HammingCudaBuilder, "rows": RowsBuilder, "softmax": SoftmaxBuilder,

@@ -2,6 +2,9 @@
 in pyproject.toml's list, nothing imports the folder name `ops`, and the wheel holds what the
 JIT builders need (.ci/run also installs that wheel into a fresh venv and imports it)."""
 import ast
+import hashlib
+import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -41,6 +44,20 @@ def test_builders_name_their_ops_under_ds_xc_ops():
     assert {b().absolute_name() for b in BUILDERS.values()} == {
         "ds_xc_ops.ds_xc_hamming_cpu_op", "ds_xc_ops.ds_xc_hamming_cuda_op", "ds_xc_ops.ds_xc_rows_cpu_op",
         "ds_xc_ops.ds_xc_softmax_cpu_op", "ds_xc_ops.ds_xc_select_cpu_op"}
+
+
+def test_cpu_builders_hash_every_header_they_include():
+    """torch's JIT cache hashes sources and flags, not included headers: each CPU builder's flags carry the
+    content hash of every ops/csrc header its sources include, so editing one rebuilds the op."""
+    from ds_xc_ops.builders import BUILDERS, CSRC
+    for kind in ("cpu", "rows", "softmax", "select"):
+        builder = BUILDERS[kind]()
+        text = "".join(open(src).read() for src in builder.sources())
+        included = set(re.findall(r'#include "([^"]+)"', text))
+        assert "cpu_simd.h" in included, kind
+        for name in included:
+            sha = hashlib.sha1(open(os.path.join(CSRC, name), "rb").read()).hexdigest()[:16]
+            assert any(f.endswith("_SHA=" + sha) for f in builder.cxx_args()), (kind, name)
 
 
 @pytest.mark.slow

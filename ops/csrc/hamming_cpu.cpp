@@ -43,9 +43,8 @@
 
 #include <cstdlib>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define DS_XC_AVX512_SCAN 1
+#include "cpu_simd.h"
+#ifdef DS_XC_X86_SIMD
 #define DS_XC_AVX512_TARGET __attribute__((target("avx512f,avx512vpopcntdq")))
 #endif
 
@@ -155,7 +154,7 @@ inline void scan_rows(const Args& a, const Hamming<Word, NW>& ham, int64_t begin
   }
 }
 
-#ifdef DS_XC_AVX512_SCAN
+#ifdef DS_XC_X86_SIMD
 // Sums of the 8 qwords of each of c0..c7, as one vector [sum(c0), ..., sum(c7)].
 DS_XC_AVX512_TARGET inline __m512i sum8(__m512i c0, __m512i c1, __m512i c2, __m512i c3, __m512i c4, __m512i c5,
                                         __m512i c6, __m512i c7) {
@@ -225,20 +224,9 @@ DS_XC_AVX512_TARGET void scan_rows_avx512(const Args& a, const Hamming<uint64_t,
   scan_rows<uint64_t, NW>(a, ham, r, end, sel);
 }
 
-// Whether the vector paths may run: DS_XC_HAMMING_SIMD=0 forces the scalar loops (read once).
-bool simd_allowed() {
-  static const bool on = [] {
-    const char* env = std::getenv("DS_XC_HAMMING_SIMD");
-    return env == nullptr || env[0] != '0';
-  }();
-  return on;
-}
-
+// The vector scan: DS_XC_HAMMING_SIMD=0 forces the scalar loops (read once).
 bool avx512_scan_enabled() {
-  static const bool on = [] {
-    __builtin_cpu_init();
-    return simd_allowed() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vpopcntdq");
-  }();
+  static const bool on = ds_xc_simd::avx512_enabled("DS_XC_HAMMING_SIMD", true);
   return on;
 }
 #else
@@ -249,7 +237,7 @@ bool avx512_scan_enabled() { return false; }
 template <typename Word, int NW>
 inline void scan_list(const Args& a, const Hamming<Word, NW>& ham, int64_t begin, int64_t end, Selector& sel,
                       bool simd) {
-#ifdef DS_XC_AVX512_SCAN
+#ifdef DS_XC_X86_SIMD
   if constexpr (std::is_same<Word, uint64_t>::value && (NW == 4 || NW == 8 || NW == 16)) {
     if (simd) return scan_rows_avx512<NW>(a, ham, begin, end, sel);
   }
@@ -434,8 +422,6 @@ std::vector<at::Tensor> hamming_topk_ivf(at::Tensor q_codes, at::Tensor list_cod
   }
   return {out_d, out_i};
 }
-
-bool ds_xc_hamming_simd_allowed() { return simd_allowed(); }
 
 std::vector<at::Tensor> pack_signs_min_abs(at::Tensor z);  // pack_cpu.cpp
 

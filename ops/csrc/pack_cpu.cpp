@@ -8,12 +8,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define DS_XC_AVX512_SCAN 1
-#endif
-
-bool ds_xc_hamming_simd_allowed();  // hamming_cpu.cpp: DS_XC_HAMMING_SIMD, read once
+#include "cpu_simd.h"
 
 namespace {
 
@@ -45,7 +40,7 @@ void pack_row_scalar(const T* z, int64_t b, int64_t from, uint8_t* out, float& m
   }
 }
 
-#ifdef DS_XC_AVX512_SCAN
+#ifdef DS_XC_X86_SIMD
 __attribute__((target("avx512f"))) inline __m512 load16(const float* z, int64_t j) { return _mm512_loadu_ps(z + j); }
 __attribute__((target("avx512f"))) inline __m512 load16(const uint16_t* z, int64_t j) {  // bf16 -> float32, exact
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(z + j));
@@ -70,25 +65,22 @@ __attribute__((target("avx512f"))) void pack_row_avx512(const T* z, int64_t b, u
   pack_row_scalar(z, b, j, out, mn, nan);  // a last 8 values when b % 16 == 8
 }
 
-bool avx512f_enabled() {
-  static const bool on = [] {
-    __builtin_cpu_init();
-    return ds_xc_hamming_simd_allowed() && __builtin_cpu_supports("avx512f") != 0;
-  }();
+bool avx512f_enabled() {  // the scan's switch, DS_XC_HAMMING_SIMD (read once)
+  static const bool on = ds_xc_simd::avx512_enabled("DS_XC_HAMMING_SIMD");
   return on;
 }
 #endif
 
 template <typename T>
 void pack_rows(const T* zp, int64_t n, int64_t b, uint8_t* cp, float* mp) {
-#ifdef DS_XC_AVX512_SCAN
+#ifdef DS_XC_X86_SIMD
   const bool simd = avx512f_enabled();
 #endif
   at::parallel_for(0, n, 256, [&](int64_t a, int64_t e) {
     for (int64_t i = a; i < e; ++i) {
       float mn = __builtin_inff();
       bool nan = false;
-#ifdef DS_XC_AVX512_SCAN
+#ifdef DS_XC_X86_SIMD
       if (simd) {
         pack_row_avx512(zp + i * b, b, cp + i * (b / 8), mn, nan);
       } else {

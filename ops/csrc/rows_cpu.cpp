@@ -26,9 +26,6 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#endif
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -37,6 +34,8 @@
 #include <limits>
 #include <utility>
 #include <vector>
+
+#include "cpu_simd.h"
 
 namespace {
 
@@ -207,7 +206,7 @@ void gather_rows(at::Tensor src, at::Tensor idx, at::Tensor out) {
 
 // dot = x . y and sq = y . y over d floats: 16 lanes with fused multiply-adds on AVX-512F (checked at
 // run time), else 8 partial sums.
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#ifdef DS_XC_X86_SIMD
 __attribute__((target("avx512f"))) void dot_and_square_avx512(const float* x, const float* y, int64_t d, float& dot,
                                                                float& sq) {
   __m512 s = _mm512_setzero_ps(), t = _mm512_setzero_ps();
@@ -228,11 +227,7 @@ __attribute__((target("avx512f"))) void dot_and_square_avx512(const float* x, co
 }
 
 bool avx512f_rows() {  // DS_XC_ROWS_SIMD=0 forces the plain loop (read once)
-  static const bool on = [] {
-    const char* env = std::getenv("DS_XC_ROWS_SIMD");
-    __builtin_cpu_init();
-    return (env == nullptr || env[0] != '0') && __builtin_cpu_supports("avx512f") != 0;
-  }();
+  static const bool on = ds_xc_simd::avx512_enabled("DS_XC_ROWS_SIMD");
   return on;
 }
 #else

@@ -26,9 +26,8 @@
 #include <tuple>
 #include <vector>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define DS_XC_AVX512_SELECT 1
+#include "cpu_simd.h"
+#ifdef DS_XC_X86_SIMD
 #define DS_XC_AVX512_TARGET __attribute__((target("avx512f")))
 #endif
 
@@ -37,16 +36,7 @@ namespace {
 constexpr int64_t kBlock = 1 << 15;  // entries per block: one count and one output start each
 
 bool simd_enabled() {
-  static const bool on = [] {
-    const char* env = std::getenv("DS_XC_SELECT_SIMD");
-    if (env != nullptr && env[0] == '0') return false;
-#ifdef DS_XC_AVX512_SELECT
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") != 0;
-#else
-    return false;
-#endif
-  }();
+  static const bool on = ds_xc_simd::avx512_enabled("DS_XC_SELECT_SIMD");
   return on;
 }
 
@@ -67,7 +57,7 @@ int64_t block_scalar(const float* x, int64_t lo, int64_t hi, float t, int64_t* i
   return m;
 }
 
-#ifdef DS_XC_AVX512_SELECT
+#ifdef DS_XC_X86_SIMD
 DS_XC_AVX512_TARGET int64_t block_avx512(const float* x, int64_t lo, int64_t hi, float t, int64_t* idx,
                                           float* val) {
   const __m512 tv = _mm512_set1_ps(t);
@@ -94,7 +84,7 @@ DS_XC_AVX512_TARGET int64_t block_avx512(const float* x, int64_t lo, int64_t hi,
 #endif
 
 int64_t run_block(const float* x, int64_t lo, int64_t hi, float t, int64_t* idx, float* val) {
-#ifdef DS_XC_AVX512_SELECT
+#ifdef DS_XC_X86_SIMD
   if (simd_enabled()) return block_avx512(x, lo, hi, t, idx, val);
 #endif
   return block_scalar(x, lo, hi, t, idx, val);

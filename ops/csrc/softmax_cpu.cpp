@@ -30,9 +30,8 @@
 #include <limits>
 #include <tuple>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define DS_XC_AVX512_EXP 1
+#include "cpu_simd.h"
+#ifdef DS_XC_X86_SIMD
 #define DS_XC_AVX512_TARGET __attribute__((target("avx512f")))
 #endif
 
@@ -42,16 +41,7 @@ constexpr float kLow = -104.0f;  // exp(kLow) rounds to 0 in float32
 constexpr float kHigh = 89.0f;   // exp(kHigh) overflows to inf
 
 bool simd_enabled() {
-  static const bool on = [] {
-    const char* env = std::getenv("DS_XC_SOFTMAX_SIMD");
-    if (env != nullptr && env[0] == '0') return false;
-#ifdef DS_XC_AVX512_EXP
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") != 0;
-#else
-    return false;
-#endif
-  }();
+  static const bool on = ds_xc_simd::avx512_enabled("DS_XC_SOFTMAX_SIMD");
   return on;
 }
 
@@ -74,7 +64,7 @@ std::pair<float, double> row_scalar(float* x, int64_t k, float floor) {
   return {m, s};
 }
 
-#ifdef DS_XC_AVX512_EXP
+#ifdef DS_XC_X86_SIMD
 DS_XC_AVX512_TARGET inline __m512 exp16(__m512 t) {
   t = _mm512_min_ps(_mm512_set1_ps(kHigh), _mm512_max_ps(_mm512_set1_ps(kLow), t));  // NaN kept
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504088896341f)),
@@ -152,7 +142,7 @@ std::tuple<at::Tensor, at::Tensor> exp_rows(at::Tensor x, double floor) {
   const bool simd = simd_enabled();
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-#ifdef DS_XC_AVX512_EXP
+#ifdef DS_XC_X86_SIMD
       const auto r = simd ? row_avx512(px + i * k, k, fl) : row_scalar(px + i * k, k, fl);
 #else
       const auto r = row_scalar(px + i * k, k, fl);
