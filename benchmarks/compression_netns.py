@@ -31,18 +31,27 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/harness.py
 from harness import git_rev  # noqa: E402
 NETNS = os.path.join(ROOT, "benchmarks", "netns.sh")
+NETNS_HOSTS = os.path.join(ROOT, "benchmarks", "netns_hosts.sh")
 DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "compression_netns.md")
 # name -> (method for the wire run, method for the train run, extra keys)
 VARIANTS = {"dense": ("none", "dense", {}), "bayes_prior": ("bayes_prior", "bayes_prior", {}),
             "topk": ("topk", "topk", {}), "randomk": ("randomk", "randomk", {})}
 
 
-def in_namespaces(script: str, argv: list[str], rate: str, port: int, timeout: float) -> tuple[dict, dict]:
-    """Run ``script`` as 2 ranks under netns.sh; return (rank 0's JSON, veth counters)."""
+def in_namespaces(script: str, argv: list[str], rate: str, port: int, timeout: float,
+                  ranks: int = 2) -> tuple[dict, dict]:
+    """Run ``script`` as ``ranks`` ranks, one per network namespace, 1 thread each; return (rank 0's JSON,
+    veth counters: ``tx_bytes`` per rank). 2 ranks: netns.sh's veth pair; more: netns_hosts.sh's hosts of
+    one rank each on a switch, every host's link shaped at ``rate`` in both directions."""
     with tempfile.TemporaryDirectory() as tmp:
         out, counters = os.path.join(tmp, "out.json"), os.path.join(tmp, "counters.json")
-        cmd = [NETNS, "-r", rate, "-p", str(port), "-c", counters, "--", "env", "OMP_NUM_THREADS=1",
-               sys.executable, os.path.join(ROOT, "benchmarks", script), *argv, "--out", out]
+        run = [sys.executable, os.path.join(ROOT, "benchmarks", script), *argv, "--out", out]
+        if ranks == 2:
+            cmd = [NETNS, "-r", rate, "-p", str(port), "-c", counters, "--", "env", "OMP_NUM_THREADS=1", *run]
+        else:  # rank = host; netns_hosts.sh exports MASTER_ADDR and GLOO_SOCKET_IFNAME
+            cmd = [NETNS_HOSTS, "-H", str(ranks), "-r", rate, "-c", counters, "--", "env", "OMP_NUM_THREADS=1",
+                   "RANK={node}", "LOCAL_RANK=0", "WORLD_SIZE={nnodes}", "LOCAL_WORLD_SIZE=1",
+                   f"MASTER_PORT={port}", *run]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         if proc.returncode and not (os.path.exists(out) and os.path.exists(counters)):
             raise RuntimeError(f"{shlex.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n"

@@ -1,7 +1,7 @@
 """Benchmark: time to accuracy of the backbone reductions over tc-shaped links (needs root).
 
-Two ranks in two network namespaces joined by a veth pair (benchmarks/netns.sh), one link
-speed after the other. For each link, launch/train.py's job (``--config``, default the
+Two ranks in two network namespaces joined by a veth pair (benchmarks/netns.sh), or ``--ranks N``
+hosts of one rank each on a switch (benchmarks/netns_hosts.sh), one link speed after the other. For each link, launch/train.py's job (``--config``, default the
 default job) first trains with DeepSpeed's dense all-reduce for ``--steps`` steps,
 evaluating held-out top-1 every ``--eval_every`` steps; its final top-1 is the target.
 Every other variant then trains on the same link until an evaluation reaches the target or
@@ -19,6 +19,7 @@ PowerSGD, bytes on the veth) and a plot of top-1 against training time per link:
 
     sudo python benchmarks/time_to_accuracy.py                          # 1gbit,100mbit; ~45 min
     sudo python benchmarks/time_to_accuracy.py --rates 10gbit --steps 100 --out -
+    sudo python benchmarks/time_to_accuracy.py --ranks 4 --rates 1gbit --steps 1200 --target_variant dense_rows
 """
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def run_variant(args, name: str, rate: str, port: int, steps: int, target: float
         argv += ["--eval_samples", str(args.eval_samples)]
     if target:
         argv += ["--target", repr(target)]
-    return in_namespaces("compression_train.py", argv, rate, port, args.timeout)
+    return in_namespaces("compression_train.py", argv, rate, port, args.timeout, ranks=args.ranks)
 
 
 def extrapolate_dense(dense: dict, leader: dict, target: float) -> dict:
@@ -110,7 +111,7 @@ def rate_table(rate: str, runs: list, target: float) -> list[str]:
     return lines + [""] + extra
 
 
-def plot(results: dict, path: str) -> None:
+def plot(results: dict, path: str, ranks: int = 2) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -120,7 +121,7 @@ def plot(results: dict, path: str) -> None:
             ax.plot([since_first_step(r, c["train_s"]) for c in r["curve"]], [c["top1"] for c in r["curve"]], marker="o", ms=3,
                     label=name)
         ax.axhline(target, color="grey", ls=":", lw=1)
-        ax.set_title(f"{rate} link, 2 ranks")
+        ax.set_title(f"{rate} link, {ranks} ranks")
         ax.set_xlabel("training time after step 1 (s)")
         ax.set_ylabel("held-out top-1")
         ax.legend(fontsize=8)
@@ -133,6 +134,8 @@ def main(argv=None) -> str:
     p.add_argument("--rates", default="1gbit,100mbit", help="tc tbf rates, comma-separated ('none': unshaped)")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--config", default="configs/default.json")
+    p.add_argument("--ranks", type=int, default=2,
+                   help="ranks, one per namespace: 2 on netns.sh's veth pair, more on netns_hosts.sh's switch")
     p.add_argument("--steps", type=int, default=300, help="the target variant's steps; its final top-1 is the target")
     p.add_argument("--target_variant", choices=("dense", "dense_rows"), default="dense",
                    help="the variant whose final top-1 is the target (it runs first)")
@@ -181,7 +184,7 @@ def main(argv=None) -> str:
         write(args.out, report, results)  # after every link: a later failure keeps what was measured
     print(report)
     if args.out != "-":
-        save_plot(results, os.path.splitext(args.out)[0] + ".png")
+        save_plot(results, os.path.splitext(args.out)[0] + ".png", args.ranks)
     return report
 
 
@@ -197,10 +200,10 @@ def write(out: str, report: str, results: dict) -> None:
                    for rate, (runs, target) in results.items()}, fh)
 
 
-def save_plot(results: dict, path: str) -> None:
+def save_plot(results: dict, path: str, ranks: int = 2) -> None:
     """The plot, or a line saying how to make it (matplotlib is the ``bench`` extra)."""
     try:
-        plot(results, path)
+        plot(results, path, ranks)
     except ImportError:
         print(f"no plot: matplotlib is not installed (pip install -e '.[bench]', then python "
               f"benchmarks/time_to_accuracy.py --replot {os.path.splitext(path)[0]}.json)", flush=True)
@@ -210,8 +213,9 @@ def replot(path: str) -> None:
     """Redraw the plot of a run from its ``.json`` beside the ``.md``."""
     with open(path) as fh:
         saved = json.load(fh)
+    runs = [tuple(run) for v in saved.values() for run in v["runs"]]
     save_plot({rate: ([tuple(run) for run in v["runs"]], v["target"]) for rate, v in saved.items()},
-              os.path.splitext(path)[0] + ".png")
+              os.path.splitext(path)[0] + ".png", runs[0][1].get("world", 2) if runs else 2)
 
 
 def render(args, command: str, started: str, wall: float, results: dict) -> str:
@@ -221,8 +225,12 @@ def render(args, command: str, started: str, wall: float, results: dict) -> str:
              f"- command: `{command}`", f"- date: {started}, wall time {wall / 60:.1f} min; {os.cpu_count()} cores, "
              f"load average {load} at the end", f"- ds_xc at git {git_rev(('ds_xc', 'benchmarks', 'configs'))}",
              f"- job: {first['config']} ({first['data']}, {first['num_classes']} classes, backbone "
-             f"{first['backbone_numel'] / 1e6:.2f} M parameters), seed {args.seed}; 2 ranks in 2 namespaces, 1 thread "
-             "each; veth pair shaped by `tc tbf rate RATE burst 128kb latency 50ms` on both ends (benchmarks/netns.sh)",
+             f"{first['backbone_numel'] / 1e6:.2f} M parameters), seed {args.seed}; {args.ranks} ranks in {args.ranks} namespaces, 1 thread "
+             "each; " + ("veth pair shaped by `tc tbf rate RATE burst 128kb latency 50ms` on both ends (benchmarks/netns.sh)"
+                         if args.ranks == 2 else "one rank per host on a switch (a bridge), each host's veth shaped by "
+                         "`tc tbf rate RATE burst 128kb latency 50ms` on both ends (benchmarks/netns_hosts.sh)") +
+             (f"; {os.cpu_count()} cores for {args.ranks} single-threaded ranks: each step's compute is slower than on "
+              "2 ranks" if args.ranks > (os.cpu_count() or 1) else ""),
              f"- {args.target_variant} trains {args.steps} steps, its final top-1 is the target; the others stop at the first "
              f"evaluation (every {args.eval_every} steps) that reaches it, or after {math.ceil(args.max_factor * args.steps)}"
              " steps; time = training time after the first step (index build, warm-up), barrier to barrier per step, "
