@@ -142,9 +142,11 @@ def fit_from_netns(density: float = 0.01) -> tuple:
 def calibrate(density: float, steps: int, repeats: int = 2, sizes=(10**6, 10**7), port: int = 29711) -> str:
     """The compute constants: fitted to the shaped-link runs, and measured again on loopback as a
     cross-check (module docstring); returns the markdown report."""
+    from ds_xc.compression import parse_compression
     from ds_xc.cost.comm import LOOPBACK, collective_time
     from ds_xc.cost.compression import DEFAULT_CALIBRATION, reduction_collectives
     fit, fit_rows = fit_from_netns(density)
+    sync = parse_compression({}).stats_sync_interval
     dense_ns = fit["dense_ns"]
     rows, loop = [], {m: [] for m in METHODS}
     for n in sizes:
@@ -176,9 +178,9 @@ def calibrate(density: float, steps: int, repeats: int = 2, sizes=(10**6, 10**7)
         "|---|---|---|---|---|---|---|", *fit_rows, "",
         "## B. Measured again: 2 gloo ranks on 127.0.0.1", "",
         (f"1 thread each, density {density}; per run the median of {steps} steps (the first 2 skipped) of "
-         f"`reduce_gradients()` between barriers; {repeats} runs, the fastest kept. bayes_prior syncs its "
-         "statistics at compressed steps 0, 1, 2, 4, 8 (then every 10): 2 of the timed steps include a sync, "
-         "which weighs most at 10^6 elements."), "",
+         f"`reduce_gradients()` between barriers; {repeats} runs, the fastest kept. bayes_prior at its "
+         f"defaults syncs its statistics every {sync} compressed steps (stats_sync_interval), a cost that "
+         "weighs most at 10^6 elements."), "",
         "| elements | method | measured ms (runs) | loopback transfer ms (model) | compute ns/element | "
         "beyond dense_ns |", "|---|---|---|---|---|---|", *rows, "",
         "## Constants (ns per element)", "",
