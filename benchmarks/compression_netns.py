@@ -45,13 +45,13 @@ def in_namespaces(script: str, argv: list[str], rate: str, port: int, timeout: f
     one rank each on a switch, every host's link shaped at ``rate`` in both directions."""
     with tempfile.TemporaryDirectory() as tmp:
         out, counters = os.path.join(tmp, "out.json"), os.path.join(tmp, "counters.json")
-        run = [sys.executable, os.path.join(ROOT, "benchmarks", script), *argv, "--out", out]
-        if ranks == 2:
-            cmd = [NETNS, "-r", rate, "-p", str(port), "-c", counters, "--", "env", "OMP_NUM_THREADS=1", *run]
+        if ranks == 2:  # netns.sh sets the launcher variables
+            netns, rank_env = [NETNS, "-p", str(port)], []
         else:  # rank = host; netns_hosts.sh exports MASTER_ADDR and GLOO_SOCKET_IFNAME
-            cmd = [NETNS_HOSTS, "-H", str(ranks), "-r", rate, "-c", counters, "--", "env", "OMP_NUM_THREADS=1",
-                   "RANK={node}", "LOCAL_RANK=0", "WORLD_SIZE={nnodes}", "LOCAL_WORLD_SIZE=1",
-                   f"MASTER_PORT={port}", *run]
+            netns = [NETNS_HOSTS, "-H", str(ranks)]
+            rank_env = ["RANK={node}", "LOCAL_RANK=0", "WORLD_SIZE={nnodes}", "LOCAL_WORLD_SIZE=1", f"MASTER_PORT={port}"]
+        cmd = [*netns, "-r", rate, "-c", counters, "--", "env", "OMP_NUM_THREADS=1", *rank_env,
+               sys.executable, os.path.join(ROOT, "benchmarks", script), *argv, "--out", out]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         if proc.returncode and not (os.path.exists(out) and os.path.exists(counters)):
             raise RuntimeError(f"{shlex.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n"

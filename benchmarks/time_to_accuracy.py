@@ -111,7 +111,7 @@ def rate_table(rate: str, runs: list, target: float) -> list[str]:
     return lines + [""] + extra
 
 
-def plot(results: dict, path: str, ranks: int = 2) -> None:
+def plot(results: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -121,7 +121,7 @@ def plot(results: dict, path: str, ranks: int = 2) -> None:
             ax.plot([since_first_step(r, c["train_s"]) for c in r["curve"]], [c["top1"] for c in r["curve"]], marker="o", ms=3,
                     label=name)
         ax.axhline(target, color="grey", ls=":", lw=1)
-        ax.set_title(f"{rate} link, {ranks} ranks")
+        ax.set_title(f"{rate} link, {runs[0][1].get('world', 2)} ranks")  # records before --ranks: 2
         ax.set_xlabel("training time after step 1 (s)")
         ax.set_ylabel("held-out top-1")
         ax.legend(fontsize=8)
@@ -184,7 +184,7 @@ def main(argv=None) -> str:
         write(args.out, report, results)  # after every link: a later failure keeps what was measured
     print(report)
     if args.out != "-":
-        save_plot(results, os.path.splitext(args.out)[0] + ".png", args.ranks)
+        save_plot(results, os.path.splitext(args.out)[0] + ".png")
     return report
 
 
@@ -200,10 +200,10 @@ def write(out: str, report: str, results: dict) -> None:
                    for rate, (runs, target) in results.items()}, fh)
 
 
-def save_plot(results: dict, path: str, ranks: int = 2) -> None:
+def save_plot(results: dict, path: str) -> None:
     """The plot, or a line saying how to make it (matplotlib is the ``bench`` extra)."""
     try:
-        plot(results, path, ranks)
+        plot(results, path)
     except ImportError:
         print(f"no plot: matplotlib is not installed (pip install -e '.[bench]', then python "
               f"benchmarks/time_to_accuracy.py --replot {os.path.splitext(path)[0]}.json)", flush=True)
@@ -213,9 +213,8 @@ def replot(path: str) -> None:
     """Redraw the plot of a run from its ``.json`` beside the ``.md``."""
     with open(path) as fh:
         saved = json.load(fh)
-    runs = [tuple(run) for v in saved.values() for run in v["runs"]]
     save_plot({rate: ([tuple(run) for run in v["runs"]], v["target"]) for rate, v in saved.items()},
-              os.path.splitext(path)[0] + ".png", runs[0][1].get("world", 2) if runs else 2)
+              os.path.splitext(path)[0] + ".png")
 
 
 def render(args, command: str, started: str, wall: float, results: dict) -> str:
