@@ -1,9 +1,10 @@
 """Benchmark: time to accuracy of the backbone reductions over tc-shaped links (needs root).
 
 Two ranks in two network namespaces joined by a veth pair (benchmarks/netns.sh), or ``--ranks N``
-hosts of one rank each on a switch (benchmarks/netns_hosts.sh), one link speed after the other. For each link, launch/train.py's job (``--config``, default the
-default job) first trains with DeepSpeed's dense all-reduce for ``--steps`` steps,
-evaluating held-out top-1 every ``--eval_every`` steps; its final top-1 is the target.
+hosts of one rank each on a switch (benchmarks/netns_hosts.sh), one link speed after the other.
+For each link, launch/train.py's job (``--config``, default the default job) first trains with
+DeepSpeed's dense all-reduce for ``--steps`` steps, evaluating held-out top-1 every
+``--eval_every`` steps; its final top-1 is the target.
 Every other variant then trains on the same link until an evaluation reaches the target or
 ``--max_factor`` x ``--steps`` steps have run. The time is the training time (barrier to
 barrier per step, evaluations left out). Variants:
@@ -217,6 +218,18 @@ def replot(path: str) -> None:
               os.path.splitext(path)[0] + ".png")
 
 
+def topology(ranks: int) -> str:
+    """The header's words for the ranks' namespaces and links (and for more ranks than cores)."""
+    shaping = "`tc tbf rate RATE burst 128kb latency 50ms` on both ends"
+    text = f"{ranks} ranks in {ranks} namespaces, 1 thread each; " + (
+        f"veth pair shaped by {shaping} (benchmarks/netns.sh)" if ranks == 2 else
+        f"one rank per host on a switch (a bridge), each host's veth shaped by {shaping} (benchmarks/netns_hosts.sh)")
+    if ranks > (os.cpu_count() or 1):
+        text += (f"; {os.cpu_count()} cores for {ranks} single-threaded ranks: each step's compute is slower than "
+                 "on 2 ranks")
+    return text
+
+
 def render(args, command: str, started: str, wall: float, results: dict) -> str:
     first = next(iter(results.values()))[0][0][1]
     load = "/".join(f"{x:.1f}" for x in os.getloadavg())
@@ -224,12 +237,7 @@ def render(args, command: str, started: str, wall: float, results: dict) -> str:
              f"- command: `{command}`", f"- date: {started}, wall time {wall / 60:.1f} min; {os.cpu_count()} cores, "
              f"load average {load} at the end", f"- ds_xc at git {git_rev(('ds_xc', 'benchmarks', 'configs'))}",
              f"- job: {first['config']} ({first['data']}, {first['num_classes']} classes, backbone "
-             f"{first['backbone_numel'] / 1e6:.2f} M parameters), seed {args.seed}; {args.ranks} ranks in {args.ranks} namespaces, 1 thread "
-             "each; " + ("veth pair shaped by `tc tbf rate RATE burst 128kb latency 50ms` on both ends (benchmarks/netns.sh)"
-                         if args.ranks == 2 else "one rank per host on a switch (a bridge), each host's veth shaped by "
-                         "`tc tbf rate RATE burst 128kb latency 50ms` on both ends (benchmarks/netns_hosts.sh)") +
-             (f"; {os.cpu_count()} cores for {args.ranks} single-threaded ranks: each step's compute is slower than on "
-              "2 ranks" if args.ranks > (os.cpu_count() or 1) else ""),
+             f"{first['backbone_numel'] / 1e6:.2f} M parameters), seed {args.seed}; {topology(args.ranks)}",
              f"- {args.target_variant} trains {args.steps} steps, its final top-1 is the target; the others stop at the first "
              f"evaluation (every {args.eval_every} steps) that reaches it, or after {math.ceil(args.max_factor * args.steps)}"
              " steps; time = training time after the first step (index build, warm-up), barrier to barrier per step, "
