@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from ds_xc.compression.frozen_adam import FROZEN_KEY, not_torch_adam
+from ds_xc_ops.score import update_score
 from ds_xc.config_base import COMPRESSION_SECTION, ConfigError
 
 log = logging.getLogger(__name__)
@@ -76,9 +77,9 @@ class UpdateScore:
                 full, scale = st[FROZEN_KEY], 1.0
             else:
                 full, scale = st["exp_avg_sq"], 1.0 / (1.0 - self.group[id(p)]["betas"][1] ** steps)
-            vhat = full.reshape(-1)[offset + lo - start: offset + hi - start].mul(scale)  # (hi - lo,) a copy
+            moment = full.reshape(-1)[offset + lo - start: offset + hi - start]  # (hi - lo,)
             floor = full.mean().mul_(FLOOR * scale).clamp_(min=1e-38)  # 0-dim, on the device: no host sync
-            torch.div(v[lo:hi], vhat.clamp_(min=floor).sqrt_(), out=out[lo:hi])
+            update_score(v[lo:hi], moment, scale, floor, out[lo:hi])  # one fused pass on the CPU
         return out
 
 

@@ -15,6 +15,13 @@
 // AVX-512F (checked at run time, built without -mavx512 flags): 16 entries per compare into a
 // mask; the set bits are walked one by one, which suits the sparse masks of a selection (a few
 // percent kept). Without AVX-512, or with DS_XC_SELECT_SIMD=0, a scalar loop.
+//
+// update_score_ writes the score that `select_by: update` ranks (ds_xc/compression/score.py),
+// s = v / sqrt(max(m scale, floor)) with m Adam's exp_avg_sq, in one pass over v and m instead of
+// PyTorch's five (a scaled copy, a clamp, a sqrt, a division, each over millions of elements). The
+// float32 operations are PyTorch's, in the same order, each correctly rounded (no reciprocal square
+// root estimate): the IEEE float32 result, the same on both paths (PyTorch's vectorised sqrt can be
+// 1 ulp off it). A NaN m scale stays NaN through the max, as torch.clamp propagates it.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -118,9 +125,56 @@ std::tuple<at::Tensor, at::Tensor> select_above(const at::Tensor& v, double thre
   return {idx, val};
 }
 
+// out[i] = x[i] / sqrt(max(m[i] * scale, floor)) for i in [lo, hi), float32 throughout.
+void score_scalar(const float* x, const float* m, float scale, float floor, float* out, int64_t lo, int64_t hi) {
+  for (int64_t i = lo; i < hi; ++i) {
+    float h = m[i] * scale;
+    h = h < floor ? floor : h;  // a NaN h stays NaN
+    out[i] = x[i] / std::sqrt(h);
+  }
+}
+
+#ifdef DS_XC_X86_SIMD
+DS_XC_AVX512_TARGET void score_avx512(const float* x, const float* m, float scale, float floor, float* out,
+                                      int64_t lo, int64_t hi) {
+  const __m512 sv = _mm512_set1_ps(scale);
+  const __m512 fv = _mm512_set1_ps(floor);
+  int64_t i = lo;
+  for (; i + 16 <= hi; i += 16) {
+    // max_ps(a, b) = a > b ? a : b, so max(floor, h) is floor where h < floor and h otherwise (NaN h too)
+    __m512 h = _mm512_max_ps(fv, _mm512_mul_ps(_mm512_loadu_ps(m + i), sv));
+    _mm512_storeu_ps(out + i, _mm512_div_ps(_mm512_loadu_ps(x + i), _mm512_sqrt_ps(h)));
+  }
+  score_scalar(x, m, scale, floor, out, i, hi);
+}
+#endif
+
+// out = v / sqrt(max(exp_avg_sq * scale, floor)): three contiguous 1-D float32 CPU tensors of one size.
+void update_score_(const at::Tensor& v, const at::Tensor& exp_avg_sq, double scale, double floor, at::Tensor& out) {
+  for (const at::Tensor* t : {&v, &exp_avg_sq, static_cast<const at::Tensor*>(&out)}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 1 && t->is_contiguous(),
+                "update_score_: v, exp_avg_sq and out must be contiguous 1-D float32 CPU tensors, got ",
+                t->scalar_type(), " of ", t->dim(), " dims on ", t->device());
+  }
+  TORCH_CHECK(exp_avg_sq.numel() == v.numel() && out.numel() == v.numel(), "update_score_: sizes differ: v ",
+              v.numel(), ", exp_avg_sq ", exp_avg_sq.numel(), ", out ", out.numel());
+  const float* x = v.data_ptr<float>();
+  const float* m = exp_avg_sq.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale), fl = static_cast<float>(floor);
+  at::parallel_for(0, v.numel(), kBlock, [&](int64_t lo, int64_t hi) {
+#ifdef DS_XC_X86_SIMD
+    if (simd_enabled()) return score_avx512(x, m, sc, fl, o, lo, hi);
+#endif
+    score_scalar(x, m, sc, fl, o, lo, hi);
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("select_above", &select_above, "(v, threshold) -> (idx, val): the entries with |v| >= threshold");
+  m.def("update_score_", &update_score_,
+        "(v, exp_avg_sq, scale, floor, out): out = v / sqrt(max(exp_avg_sq * scale, floor)), float32");
   m.def("simd_enabled", &simd_enabled, "whether the AVX-512 path runs");
 }
