@@ -1,6 +1,6 @@
 """Prebuild the native ops into the torch extensions cache.
 
-    python -m ds_xc_ops.build            # the C++ CPU ops (Hamming scan, optimizer rows), and the CUDA op when CUDA is available
+    python -m ds_xc_ops.build            # every C++ CPU op, and the CUDA op when CUDA is available
     python -m ds_xc_ops.build --verbose  # show the compiler commands
 
 Later processes then only load the cached library. Exits 1 if a requested op fails.
@@ -18,16 +18,19 @@ from ds_xc_ops import builders
 
 
 logger = logging.getLogger(__name__)
+CPU_KINDS = [k for k in builders.BUILDERS if k != "cuda"]  # the Hamming scan, the optimizers' rows, softmax, select
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--verbose", action="store_true", help="print the compiler commands")
     parser.add_argument("--kinds", default="auto",
-                        help="comma-separated ops to build (cpu,rows,cuda); auto: cpu and rows, plus cuda if available")
+                        help=f"comma-separated ops to build ({','.join(builders.BUILDERS)}); auto: every CPU op "
+                        f"({','.join(CPU_KINDS)}), plus cuda if available")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     kinds = args.kinds.split(",") if args.kinds != "auto" else (
-        ["cpu", "rows", "cuda"] if torch.cuda.is_available() else ["cpu", "rows"])
+        CPU_KINDS + (["cuda"] if torch.cuda.is_available() else []))
     failed = []
     for kind in kinds:
         start = time.perf_counter()

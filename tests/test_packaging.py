@@ -60,6 +60,18 @@ def test_cpu_builders_hash_every_header_they_include():
             assert any(f.endswith("_SHA=" + sha) for f in builder.cxx_args()), (kind, name)
 
 
+def test_prebuild_covers_every_cpu_op(monkeypatch):
+    """``python -m ds_xc_ops.build`` with no arguments builds every CPU op (the first training step would
+    otherwise compile the ones it left out) and the CUDA op only where CUDA is available."""
+    from ds_xc_ops import build, builders
+    assert set(build.CPU_KINDS) == set(builders.BUILDERS) - {"cuda"}
+    asked = []
+    monkeypatch.setattr(builders, "load_op", lambda kind, verbose=False: asked.append(kind) or None)
+    monkeypatch.setattr(build.torch.cuda, "is_available", lambda: False)
+    assert build.main([]) == 1  # every op "failed" (load_op returned None)
+    assert asked == build.CPU_KINDS
+
+
 @pytest.mark.slow
 def test_wheel_holds_ds_xc_ops_and_the_kernel_sources(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
