@@ -84,6 +84,13 @@ class GradientCompressionConfig(Section):
                                         "starts. Default (null): ADAM_WARMUP_STEPS when the wrapped optimizer's "
                                         "variance is frozen (adam_variance auto or frozen), whose estimate the "
                                         "warm-up provides, else 0.")
+    density_warmup_steps: int = Field(0, ge=0, le=1 << 30, description="Compressed steps over which the density "
+                                      "falls geometrically from density_warmup_start to density (DGC's warm-up: "
+                                      "more of the gradient while it changes fastest, at a fraction of a dense "
+                                      "warm-up's bytes); counted from the first compressed step (after "
+                                      "warmup_steps); 0 = off. Not used by powersgd.")
+    density_warmup_start: float = Field(0.25, gt=0.0, le=1.0, description="The density of the first compressed "
+                                        "step under density_warmup_steps (DGC's 0.25); at least density.")
     adam_variance: Literal["auto", "frozen", "live"] = Field(
         "live", description="A wrapped torch.optim.Adam/AdamW under compression: frozen = the wrapper takes its "
         "steps with the second moment fixed at its (bias-corrected) value after the dense warm-up (error feedback "
@@ -164,6 +171,10 @@ class GradientCompressionConfig(Section):
                              f"error_feedback={self.error_feedback}: the variance is frozen after a dense warm-up, "
                              "for the bursts of error feedback; allowed: warmup_steps null or >= 1, method topk, randomk or "
                              "bayes_prior, error_feedback true (or adam_variance 'auto' / 'live')")
+        if self.density_warmup_steps and self.density_warmup_start < self.density:
+            raise ValueError(f"density_warmup_start={self.density_warmup_start} is below density={self.density}: "
+                             "the warm-up starts above the density it falls to; allowed: density_warmup_start >= "
+                             "density (or density_warmup_steps 0)")
         if self.select_by == "update" and self.method in ("randomk", "powersgd"):
             raise ValueError(f"select_by='update' with method={self.method!r}: {self.method} does not rank elements by "
                              "size; allowed: 'auto' or 'magnitude' (or method 'topk' / 'bayes_prior')")

@@ -46,6 +46,9 @@ def test_config_defaults_and_registry():
     ({"value_dtype": "float16"}, "gradient_compression.value_dtype", "'bfloat16'"),
     ({"densty": 0.1}, "gradient_compression.densty", "unknown key"),
     ({"momentum_correction": 0.9, "error_feedback": False}, "gradient_compression", "needs error_feedback"),
+    ({"density_warmup_steps": -1}, "gradient_compression.density_warmup_steps", "greater than or equal to 0"),
+    ({"density_warmup_start": 0}, "gradient_compression.density_warmup_start", "greater than 0"),
+    ({"density": 0.3, "density_warmup_steps": 10}, "gradient_compression", "density_warmup_start=0.25 is below"),
 ])
 def test_config_errors_name_the_key(section, key, words):
     msg = _err(section)
@@ -231,6 +234,30 @@ def test_small_tensors_go_dense_and_warmup_is_dense():
             else:
                 assert int((p.grad != 0).sum()) == round(0.01 * p.numel())
     assert opt.stats()["compressed_steps"] == 1
+
+
+@pytest.mark.parametrize("warmup", [0, 2])
+def test_density_warmup_falls_geometrically_to_the_density(warmup):
+    """topk sends exactly round(n d_c) per tensor: d_c = density (start / density)^(1 - c / steps) at compressed
+    step c of density_warmup_steps (after the dense warmup_steps), capped at 1, then density."""
+    model = _model()
+    cfg = {"method": "topk", "density": 0.01, "min_numel": 700, "warmup_steps": warmup, "allocation": "numel",
+           "density_warmup_steps": 4, "density_warmup_start": 0.5}
+    opt = CompressedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), cfg)
+    big = [p for p in model.parameters() if p.numel() >= 700]
+    for step in range(warmup + 6):
+        opt.zero_grad()
+        _backward(model, step)
+        opt.reduce_gradients()
+        c = step - warmup
+        if c < 0:
+            continue
+        d = 0.01 * (0.5 / 0.01) ** (1 - c / 4) if c < 4 else 0.01
+        assert math.isclose(opt.compressor.scale * 0.01, d, rel_tol=1e-12)
+        for p in big:
+            assert int((p.grad != 0).sum()) == round(d * p.numel()), (step, p.shape)
+        expected = sum(round(d * p.numel()) for p in big)
+        assert opt.stats()["last"]["sent"] == expected
 
 
 def test_wrapper_exposes_the_inner_param_groups_and_attributes():

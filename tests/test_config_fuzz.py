@@ -217,6 +217,10 @@ def _satisfy_cross_field_rules(raw):
     if comp.get("adam_variance") == "frozen" and (comp.get("warmup_steps") == 0 or not comp.get("error_feedback", True)
                                                   or comp.get("method") in ("none", "powersgd")):
         comp["adam_variance"] = "auto"  # frozen needs a warm-up and an element-selecting method with feedback
+    if comp.get("density_warmup_steps") and comp.get("density_warmup_start", 0.25) < comp.get("density", 0.01):
+        comp["density_warmup_start"] = comp.get("density", 0.01)  # the warm-up starts at or above the density
+    if head.get("input_parallel") == "replicated" and isinstance(head.get("overlap"), dict):
+        head["overlap"]["enabled"] = False  # the overlap pipeline hides input_parallel data's gathers
     for name, least in (("text", 1_000), ("corpus", 10_000)):
         size = train.get(f"{name}_vocab_size", 0)
         if size and (size < least or train.get(f"{name}_mode", "word") == "word"):

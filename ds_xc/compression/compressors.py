@@ -80,10 +80,13 @@ class Compressor:
     def __init__(self, config: GradientCompressionConfig):
         self.config = config
         self.density = config.density
+        self.scale = 1.0  # this step's factor on every density (>= 1 during density_warmup_steps)
 
     def density_of(self, tstate: dict) -> float:
-        """The tensor's own density (``allocation: nonzero`` sets one per tensor), else the config's."""
-        return tstate.get("density", self.density)
+        """The tensor's own density (``allocation: nonzero`` sets one per tensor), else the config's,
+        times this step's ``scale`` (at most 1)."""
+        density = tstate.get("density", self.density)
+        return density if self.scale == 1.0 else min(1.0, density * self.scale)
 
     def select(self, v: torch.Tensor, tstate: dict, gen: Optional[torch.Generator],
                shared_gen: Optional[torch.Generator]) -> torch.Tensor:

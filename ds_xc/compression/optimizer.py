@@ -278,7 +278,7 @@ class CompressedOptimizer(CompressionState, ReductionSteps, LowRankSteps, torch.
         comm = self.comm_group if comm is None else comm
         comm_size = group_size(comm)
         offered = self.layout.region_numel if self.nodes is not None else self.layout.numel
-        expected = self.config.density * offered * comm_size
+        expected = self.config.density * self.compressor.scale * offered * comm_size
         if self.compressor.uses_stats and not 1 / _RESYNC <= global_sent / max(expected, 1.0) <= _RESYNC:
             self._resync = True  # every rank of the exchange saw the same counts: same decision
         t = self._tally

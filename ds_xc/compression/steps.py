@@ -42,6 +42,16 @@ class ReductionSteps:
         """Whether this (compressed) step syncs the |v| statistics before selecting (bayes_prior)."""
         return self.compressor.uses_stats and self._stats_due()
 
+    def density_scale(self) -> float:
+        """The factor on the density at this compressed step: during ``density_warmup_steps`` (DGC's
+        warm-up) (start / density)^(1 - c / steps) at compressed step c, falling geometrically from
+        ``density_warmup_start`` to ``density``; 1 after it (and without one)."""
+        cfg = self.config
+        c = self._step - self.warmup_steps
+        if c >= cfg.density_warmup_steps:
+            return 1.0
+        return (cfg.density_warmup_start / cfg.density) ** (1.0 - max(c, 0) / cfg.density_warmup_steps)
+
     def scratch(self, name: str, numel: int, device) -> torch.Tensor:
         """A float32 work buffer ``name`` of ``numel`` elements, reused across steps (never saved)."""
         return self._scratch(name, numel, device)
@@ -52,6 +62,7 @@ class ReductionSteps:
         and their ``segments`` (default: all): the nonzero counts when the allocation is due, v = e + x,
         the statistics sync over ``comm`` when ``sync_stats``, the selection, e = v - sent. Returns
         (idx (m,) sorted region positions, vals (m,) float32) for the caller's exchange."""
+        self.compressor.scale = self.density_scale()
         if self._allocation_due():
             self._count_nonzero(x, segments)
         v = self._accumulate(x, a, b)  # (s,) the region; [a, b) updated
