@@ -154,6 +154,27 @@ def test_reduction_is_the_mean_of_what_each_rank_sent(pools, world, method, valu
     _assert_replicas_identical(results)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("method", ["topk", "bayes_prior"])
+def test_density_warmup_on_ranks(pools, world, method):
+    """density_warmup_steps on 2 and 3 ranks (uneven batches: every rank's own gradient): the reduction is
+    still the mean of what each rank sent, replicas stay identical, and top-k sends round(n d_c) per tensor
+    and rank at compressed step c of the geometric schedule."""
+    cfg = {"method": method, "density": 0.02, "min_numel": 1000, "allocation": "numel",
+           "density_warmup_steps": 3, "density_warmup_start": 0.3}
+    results = pools(world).run(_reductions, cfg, 4)
+    _check_sparse_exchange(results, _own_gradient)
+    _assert_replicas_identical(results)
+    if method == "topk":
+        sizes = [results[0]["params"][i].numel() for i in results[0]["sparse"]]
+        for step in range(4):
+            d = 0.02 * (0.3 / 0.02) ** (1 - step / 3) if step < 3 else 0.02
+            for r in results:
+                sent = int((r["steps"][step]["e_new"] != r["steps"][step]["e_old"] + _flat(
+                    r["steps"][step]["g"], r)).sum())
+                assert sent == sum(round(d * n) for n in sizes), (step, sent)
+
+
 @pytest.mark.parametrize("method", ["topk", "bayes_prior"])
 def test_hierarchy_two_nodes_of_two(pools, method):
     """Dense node mean by reduce-scatter, sparse exchange per slice across nodes, all-gather."""
