@@ -25,8 +25,8 @@ from typing import Optional
 import torch
 
 from ds_xc.compression.frozen_adam import FROZEN_KEY, not_torch_adam
-from ds_xc_ops.score import update_score
 from ds_xc.config_base import COMPRESSION_SECTION, ConfigError
+from ds_xc_ops.score import update_score
 
 log = logging.getLogger(__name__)
 
