@@ -11,7 +11,8 @@ engine (``ds_xc.compression.attach_to_engine``). Same data order and steps as tr
 ``--eval_every N`` records held-out top-1 every N steps against the training time so far
 (barrier to barrier, evaluations left out); ``--target T`` stops at the first evaluation
 that reaches top-1 T (time to accuracy, benchmarks/time_to_accuracy.py). Rank 0 writes a
-JSON summary to ``--out``:
+JSON summary to ``--out`` (loss per step, the evaluations, and the L2 norm of every backbone
+parameter every NORM_EVERY steps, ``param_norms``: how far each tensor moved, for diagnosis):
 
     RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29600 \\
         python benchmarks/compression_train.py --config configs/text_exact_20k.json --method topk --steps 20 --out -
@@ -33,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import finish_worker  # noqa: E402
 
 METHODS = ("dense", "dense_rows", "none", "topk", "randomk", "bayes_prior", "powersgd")
+NORM_EVERY = 50  # steps between records of the parameter norms in the result
 
 
 def parse_args(argv=None):
@@ -108,6 +110,14 @@ def main(argv=None) -> dict:
         return ev
 
     times, losses, curve, reduced_bytes = [], [], [], 0.0
+    norms = {"step": []}  # the backbone's parameter norms every NORM_EVERY steps (diagnostics)
+
+    def record_norms(done: int) -> None:
+        norms["step"].append(done)
+        for name, p in backbone.named_parameters():
+            norms.setdefault(name, []).append(float(p.detach().float().norm()))
+
+    record_norms(0)
     for step in range(args.steps):
         dist.barrier()  # step time = the slowest rank's
         t0 = time.perf_counter()
@@ -118,6 +128,8 @@ def main(argv=None) -> dict:
             xc.step()
         times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
+        if (step + 1) % NORM_EVERY == 0 or step + 1 == args.steps:
+            record_norms(step + 1)
         if args.method == "dense_rows" and xc.grad_reducer is not None:
             reduced_bytes += xc.grad_reducer.bytes_sent
         if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
@@ -135,6 +147,7 @@ def main(argv=None) -> dict:
               "backbone_dtype": str(next(backbone.parameters()).dtype).replace("torch.", ""),
               "step_s": statistics.median(times[args.skip_steps:] or times), "final_loss": losses[-1],
               "loss_last10": statistics.fmean(losses[-10:]), "first_loss": losses[0], "losses": losses, "curve": curve,
+              "param_norms": norms,
               "train_s": sum(times), "first_step_s": times[0]}
     if args.method == "dense_rows":
         result["bytes_sent"] = reduced_bytes
