@@ -133,9 +133,14 @@ class GradientCompressionConfig(Section):
         "float32", description="Dtype of the values on the wire (indices travel as 16-bit offsets "
         "inside 65536-element blocks plus one int32 count per block). The part lost by rounding "
         "stays in the residual.")
-    momentum_correction: float = Field(0.0, ge=0.0, lt=1.0, description="DGC momentum m: accumulate "
-                                       "u = m u + g locally, compress u, zero u where sent. Use an inner "
-                                       "optimizer without momentum. 0 = off.")
+    momentum_correction: Optional[float] = Field(
+        None, ge=0.0, lt=1.0, description="DGC momentum m: accumulate u = m u + g locally before error feedback "
+        "and the selection, zero u where sent, and step the compressed tensors without the wrapped optimizer's "
+        "first moment (a torch Adam/AdamW's beta1, a torch SGD's momentum; ds_xc/compression/momentum.py), the "
+        "small densely reduced ones with it. Default (null): m = that optimizer's own beta1 or momentum (read "
+        "every step), where the wrapper steps it on the tensors it reduces, else 0; 0 = off. With another "
+        "optimizer a number still sets m and its own momentum is the user's to turn off. Chosen on the glyphs "
+        "CNN and the text task (docs/compression.md).")
     hierarchy: HierarchyConfig = Field(default_factory=HierarchyConfig, description="Node groups.")
     powersgd: PowerSGDConfig = Field(default_factory=PowerSGDConfig, description="method powersgd: rank and "
                                      "warm start (density and allocation do not apply to it).")
@@ -162,7 +167,7 @@ class GradientCompressionConfig(Section):
 
     @model_validator(mode="after")
     def _check(self):
-        if self.momentum_correction > 0.0 and not self.error_feedback:
+        if (self.momentum_correction or 0.0) > 0.0 and not self.error_feedback:
             raise ValueError(f"momentum_correction={self.momentum_correction} needs error_feedback=true "
                              "(momentum correction accumulates what was not sent)")
         if self.adam_variance == "frozen" and (self.warmup_steps == 0 or self.method in ("none", "powersgd")
@@ -191,7 +196,7 @@ class GradientCompressionConfig(Section):
         if self.hierarchy.ranks_per_node > 1:
             raise ValueError(f"hierarchy.ranks_per_node={self.hierarchy.ranks_per_node} {where}: the node slices "
                              "of the flat bucket are not matrices; allowed: 0 or 1")
-        if self.momentum_correction > 0.0:
+        if (self.momentum_correction or 0.0) > 0.0:
             raise ValueError(f"momentum_correction={self.momentum_correction} {where}: DGC momentum zeroes the "
                              "sent elements, and a low-rank approximation sends none exactly; allowed: 0.0")
         if self.value_dtype != "float32":

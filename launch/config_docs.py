@@ -31,6 +31,8 @@ def _bounds(field) -> str:
 
 def _type(annotation) -> str:
     args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is typing.Union and type(None) in args and len(args) == 2:
+        return _type(next(a for a in args if a is not type(None))) + " or null"  # Optional[X]
     if typing.get_origin(annotation) is typing.Union:
         return "object, chosen by `type`"
     if typing.get_origin(annotation) is typing.Literal:
@@ -43,7 +45,7 @@ def _default(field) -> str:
         return "**required**"
     if field.default_factory is not None:
         return "see below"
-    return f"`{field.default!r}`"
+    return "`null`" if field.default is None else f"`{field.default!r}`"
 
 
 def model_table(model: type[BaseModel], path: str) -> list[str]:

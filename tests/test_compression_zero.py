@@ -126,10 +126,11 @@ def test_zero1_topk_step_equals_the_float64_reference(pools, world, clip):
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("comp", [{"method": "bayes_prior", "density": 0.2, "min_numel": 64, "stats_sync_interval": 2,
-                                   "adam_variance": "live", "select_by": "magnitude"},  # ZeRO-1 steps DeepSpeed's
-                                  # optimizer: a live variance, and its state is partitioned: ranked by |v|
+                                   "adam_variance": "live", "select_by": "magnitude", "momentum_correction": 0.0},
+                                  # ZeRO-1 steps DeepSpeed's optimizer: a live variance, its own momentum, and its
+                                  # state is partitioned: ranked by |v|
                                   {"method": "randomk", "density": 0.3, "min_numel": 64, "value_dtype": "bfloat16",
-                                   "adam_variance": "live"},
+                                   "adam_variance": "live", "momentum_correction": 0.0},
                                   {"method": "powersgd", "powersgd": {"rank": 2}, "min_numel": 64}],
                          ids=["bayes_prior", "randomk-bf16-values", "powersgd"])
 def test_zero1_follows_the_zero0_trajectory(pools, world, comp):
@@ -262,7 +263,8 @@ def _xc_config(stage):
             "gradient_clipping": 0.0, "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
             "gradient_compression": {"method": "bayes_prior", "density": 0.2, "min_numel": 64,
                                      "stats_sync_interval": 2, "adam_variance": "live",  # as ZeRO-1 (its step)
-                                     "select_by": "magnitude"},  # as ZeRO-1 (its Adam state is partitioned)
+                                     "select_by": "magnitude",  # as ZeRO-1 (its Adam state is partitioned)
+                                     "momentum_correction": 0.0},  # as ZeRO-1 (DeepSpeed's step keeps its momentum)
             "extreme_classification": {"num_classes": C, "embedding_dim": D, "sampler": {"type": "full"},
                                        "loss": {"type": "arcface", "scale": 8.0, "margin": 0.2}, "init_std": 0.5,
                                        "seed": SEED, "optimizer": {"type": "adamw", "lr": 0.05}}}

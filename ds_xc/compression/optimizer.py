@@ -6,7 +6,8 @@ optimizer. Per step, for the compressed parameters (numel >= ``min_numel``), vie
 as one flat fp32 bucket:
 
     x = local gradient                (with a hierarchy: node mean of this rank's slice)
-    u = m u + x; v = e + u            (DGC momentum correction, m = momentum_correction)
+    u = m u + x; v = e + u            (DGC momentum correction, m: Adam's beta1 or SGD's momentum by default,
+                                       which then step these tensors without it; momentum.py)
     v = e + x                         (plain error feedback; v = x without it)
     S = compressor.select(score(v))   (per tensor; score: v, or v / sqrt(Adam's v-hat), see score.py;
                                        bayes_prior syncs the score's statistics first)
@@ -37,6 +38,7 @@ from ds_xc.compression.config import (ADAM_WARMUP_STEPS, COMPRESSION_SECTION, Co
 from ds_xc.compression.exact import exact_mean_
 from ds_xc.compression.frozen_adam import frozen_variance_step, unsupported_reason
 from ds_xc.compression.layout import gather_flat, plan_layout, scatter_flat
+from ds_xc.compression.momentum import MomentumCorrection
 from ds_xc.compression.pays import check_config
 from ds_xc.compression.powersgd import LowRankSteps
 from ds_xc.compression.score import build_update_score
@@ -112,6 +114,9 @@ class CompressedOptimizer(CompressionState, ReductionSteps, LowRankSteps, torch.
                                   per_tensor=cfg.granularity == "tensor",
                                   min_dim=self.compressor.min_dim if self.compressor is not None else 1)
         self._update_score = build_update_score(cfg, optimizer, self._params, self.layout)  # select_by
+        self.momentum_correction = MomentumCorrection(  # the velocity u, and who applies the momentum
+            cfg.momentum_correction, optimizer, [self._params[i] for i in self.layout.sparse],
+            self.compressor is not None and cfg.error_feedback and not self.compressor.low_rank, steps_optimizer)
         self._value_dtype = DTYPES[cfg.value_dtype]
         self._buffers = self._make_buffers()
         self._work: dict = {}  # reused scratch buffers (see _scratch)
@@ -179,7 +184,7 @@ class CompressedOptimizer(CompressionState, ReductionSteps, LowRankSteps, torch.
         names = []
         if self.compressor is not None and cfg.error_feedback:
             names.append("residual")
-            if cfg.momentum_correction > 0.0:
+            if self.momentum_correction.enabled:
                 names.append("momentum")
         buffers = {}
         device = self._params[0].device
@@ -207,10 +212,12 @@ class CompressedOptimizer(CompressionState, ReductionSteps, LowRankSteps, torch.
             self._reduced_by_hooks = False
         else:
             self.reduce_gradients()
-        if self.frozen_variance and self._last.get("compressed") and not skipped:
-            frozen_variance_step(self.inner, self._frozen_cache)  # Adam with v-hat fixed after the warm-up
-        else:
-            self.inner.step()  # (a skipped step: the engine made it a no-op)
+        compressed = bool(self._last.get("compressed"))
+        with self.momentum_correction.first_moment_off(compressed):  # the velocity u was their momentum
+            if self.frozen_variance and compressed and not skipped:
+                frozen_variance_step(self.inner, self._frozen_cache)  # Adam with v-hat fixed after the warm-up
+            else:
+                self.inner.step()  # (a skipped step: the engine made it a no-op)
         return loss
 
     def overlapped_reducer(self, timeline=None, bucket_bytes: int = 4 << 20, comm_group=None):
@@ -312,7 +319,7 @@ class CompressedOptimizer(CompressionState, ReductionSteps, LowRankSteps, torch.
         e = self._buffers["residual"][lo:hi]
         if "momentum" in self._buffers:
             u = self._buffers["momentum"][lo:hi]
-            u[a:b].mul_(self.config.momentum_correction).add_(x[a:b])
+            u[a:b].mul_(self.momentum_correction.factor()).add_(x[a:b])
             e[a:b].add_(u[a:b])
             return e
         e[a:b].add_(x[a:b])

@@ -33,8 +33,9 @@ head_workspace         the scratch the head keeps between steps (ds_xc/head/work
                        buffer only if at most 256 MiB: the logits n K s; the active rows K d e
                        (sampled heads); cosine losses with float32/float64 weights: the rows with
                        their factors s/|w| folded in, K d s (K = L for the full sampler)
-compression            4 p (error-feedback residual) + 4 p (momentum_correction > 0): an
-                       upper bound, tensors below min_numel are not compressed
+compression            4 p (error-feedback residual) + 4 p (the velocity, momentum_correction
+                       null or > 0): an upper bound, tensors below min_numel are not
+                       compressed, and null has no velocity with an optimizer without momentum
 baseline               the process itself (torch + deepspeed imported), measured and passed in
 =====================  ===================================================================
 
@@ -211,7 +212,9 @@ def _compression(raw: dict, params: int) -> dict:
     c = cfg.parse_compression(section)
     if not c.enabled:
         return {}
-    return {"compression": 4 * params * (int(c.error_feedback) + int(c.momentum_correction > 0.0))}
+    m = c.momentum_correction
+    velocity = c.error_feedback and c.method != "powersgd" and (m is None or m > 0)
+    return {"compression": 4 * params * (int(c.error_feedback) + int(velocity))}
 
 
 def _dense_rows(head: cfg.HeadConfig, sh: _Shape) -> bool:

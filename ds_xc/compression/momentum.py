@@ -1,0 +1,146 @@
+"""Who owns the compressed tensors' momentum (``momentum_correction``, DGC's momentum correction).
+
+Why. With error feedback an element is sent as a burst of what it accumulated, tens of steps late
+at density 0.01. An optimizer's momentum applied after the exchange (SGD's heavy ball, Adam's first
+moment) then smooths bursts that are already stale: measured on the glyphs CNN, heavy-ball SGD under
+compression never left its initial plateau, and AdamW lost 1.4 points top-1 on average over four
+seeds (docs/compression.md, "The CNN's gap"). Deep Gradient Compression (Lin et al., 2018) moves the
+momentum before the compression: each rank accumulates the velocity u = m u + g locally, error
+feedback and the selection work on u, and u is zeroed where it was sent (optimizer.py's
+``_accumulate`` / ``_feedback``). The optimizer must then step those tensors without its own
+momentum, or it would be applied twice.
+
+:class:`MomentumCorrection` resolves the factor m and, where it can, takes the first moment of the
+compressed tensors out of the wrapped optimizer's step (:meth:`MomentumCorrection.first_moment_off`):
+for a torch ``Adam``/``AdamW`` their group is stepped with beta1 = 0, for a torch ``SGD`` with
+momentum 0. The densely reduced small tensors keep the optimizer's momentum, and so does every tensor
+in a dense (warm-up) step. The default (null, "auto" below) takes m from the optimizer itself, Adam's
+beta1 or SGD's momentum, read at every step so that a schedule of it (OneCycleLR's) is followed; a
+number fixes m; 0 is off. Off by construction: no error feedback, method none or powersgd, the DDP hook (the user's
+loop steps the optimizer, not the wrapper), another optimizer class (DeepSpeed's bf16 or ZeRO
+wrappers, whose master copies are other tensors); a number then still sets m, and the wrapped
+optimizer's own momentum is the user's to turn off.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Optional
+
+import torch
+
+from ds_xc.config_base import COMPRESSION_SECTION
+
+log = logging.getLogger(__name__)
+
+__all__ = ["MomentumCorrection", "owner_unsupported"]
+
+
+def owner_unsupported(optimizer, params: list, steps_optimizer: bool) -> Optional[str]:
+    """Why the wrapper cannot step ``params`` without ``optimizer``'s momentum (None: it can)."""
+    if not steps_optimizer:
+        return "the wrapper does not step the optimizer (the DDP hook)"
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        pass
+    elif isinstance(optimizer, torch.optim.SGD):
+        for g in optimizer.param_groups:
+            if g.get("nesterov") or g.get("dampening", 0.0):
+                return (f"the wrapped SGD has nesterov={g.get('nesterov')} dampening={g.get('dampening')} (its "
+                        "momentum is not DGC's u = m u + g)")
+    else:
+        return f"the wrapped optimizer is {type(optimizer).__name__}, not torch.optim.Adam, AdamW or SGD"
+    owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    if any(id(p) not in owned for p in params):
+        return "the wrapped optimizer steps other tensors than the ones reduced (master copies)"
+    return None
+
+
+def _first_moment(optimizer, group: dict) -> float:
+    """The group's momentum factor: Adam's beta1 or SGD's momentum."""
+    if isinstance(optimizer, torch.optim.SGD):
+        return float(group.get("momentum", 0.0))
+    return float(group["betas"][0])
+
+
+class MomentumCorrection:
+    """The factor m of u = m u + g for the compressed tensors, and the wrapped optimizer's step without it.
+
+    Args:
+        setting: the section's ``momentum_correction`` (None: auto, or a number in [0, 1)).
+        optimizer: the wrapped optimizer.
+        compressed: the tensors whose gradients are compressed (the layout's sparse ones).
+        usable: whether the reduction can carry a velocity at all (error feedback and an
+            element-selecting method, and at least one compressed tensor).
+        steps_optimizer: whether the wrapper's ``step()`` steps ``optimizer``.
+    """
+
+    def __init__(self, setting, optimizer, compressed: list, usable: bool, steps_optimizer: bool):
+        self.optimizer = optimizer
+        self._ids = {id(p) for p in compressed}
+        why = owner_unsupported(optimizer, compressed, steps_optimizer) if compressed else "no compressed tensor"
+        self._fixed: Optional[float] = None if setting is None else float(setting)
+        self.owns = usable and why is None and self._fixed != 0.0  # steps them without the optimizer's momentum
+        if not usable or (self._fixed is None and why is not None):
+            self.enabled = False
+            if setting is None:
+                log.info("CompressedOptimizer: momentum_correction auto -> off (%s)", why if usable else
+                         "no error feedback, method none or powersgd, or no compressed tensor")
+            return
+        if self._fixed is None:
+            values = self._values()
+            if len(values) > 1:
+                log.warning("%s.momentum_correction null (auto): the parameter groups of the compressed tensors have "
+                            "different momenta %s; off (set a number to use one factor for all)",
+                            COMPRESSION_SECTION, sorted(values))
+                self.enabled = self.owns = False
+                return
+            if values == {0.0}:
+                log.info("CompressedOptimizer: momentum_correction auto -> off (the optimizer has no momentum)")
+                self.enabled = self.owns = False
+                return
+        self.enabled = self._fixed is None or self._fixed > 0.0
+        if self._fixed is not None and why is not None and self.enabled:
+            log.info("CompressedOptimizer: momentum_correction %g; the wrapped optimizer's own momentum is left as "
+                     "it is (%s): set it to 0, or it applies twice", self._fixed, why)
+        log.info("CompressedOptimizer: momentum_correction %s, compressed tensors stepped %s",
+                 "auto (the optimizer's own momentum)" if self._fixed is None else f"{self._fixed:g}",
+                 "without the optimizer's first moment" if self.owns else "by the optimizer as it is")
+
+    def _values(self) -> set:
+        return {_first_moment(self.optimizer, g) for g in self.optimizer.param_groups
+                if any(id(p) in self._ids for p in g["params"])}
+
+    def factor(self) -> float:
+        """m for this step: the fixed number, or the optimizer's current momentum (auto)."""
+        if self._fixed is not None:
+            return self._fixed
+        values = self._values()
+        if len(values) != 1:
+            raise ValueError(f"{COMPRESSION_SECTION}.momentum_correction null (auto): the parameter groups of the "
+                             f"compressed tensors now have different momenta {sorted(values)}; allowed: one value "
+                             "(or set momentum_correction to a number)")
+        return values.pop()
+
+    @contextlib.contextmanager
+    def first_moment_off(self, active: bool = True):
+        """Within the block the wrapped optimizer's ``param_groups`` put the compressed tensors in copies of
+        their groups with the first moment 0 (Adam beta1, SGD momentum); the list is restored afterwards.
+        The copies share every other setting (lr, weight decay) with the original group at this step."""
+        if not (active and self.owns):
+            yield
+            return
+        opt, original = self.optimizer, self.optimizer.param_groups
+        split = []
+        for g in original:
+            rest = [p for p in g["params"] if id(p) not in self._ids]
+            mine = [p for p in g["params"] if id(p) in self._ids]
+            if rest:
+                split.append(dict(g, params=rest))
+            if mine:
+                off = {"momentum": 0.0} if isinstance(opt, torch.optim.SGD) else {"betas": (0.0, g["betas"][1])}
+                split.append(dict(g, params=mine, **off))
+        opt.param_groups = split
+        try:
+            yield
+        finally:
+            opt.param_groups = original
