@@ -187,13 +187,35 @@ def test_default_turns_off_where_it_cannot_own_the_momentum(caplog, make, why):
     assert why in caplog.text
 
 
-def test_error_feedback_off_method_none_and_the_ddp_hook_have_no_velocity(caplog):
+def test_error_feedback_off_method_none_and_powersgd_have_no_velocity():
     body = _body()
     for section in ({"error_feedback": False}, {"method": "none"}, {"method": "powersgd"}):
         opt = CompressedOptimizer(_inner("adamw", body.parameters()), dict(TOPK, **section))
         assert not opt.momentum_correction.enabled and "momentum" not in opt._buffers, section
-    hooked = CompressedOptimizer(_inner("adamw", body.parameters()), TOPK, steps_optimizer=False)
-    assert not hooked.momentum_correction.enabled
+
+
+def test_a_wrapper_that_only_reduces_owns_the_momentum_through_step_hooks():
+    """steps_optimizer=False (the DDP hook): the user's own optimizer.step() takes the compressed tensors'
+    first moment off after a compressed reduction, as the wrapper's step() does (tests/test_ddp_hook.py
+    checks the same inside DDP on 2 and 3 ranks)."""
+    nets = [_body(), _body()]
+    inner = [_inner("adamw", n.parameters()) for n in nets]
+    stepping = CompressedOptimizer(inner[0], dict(TOPK, warmup_steps=1))
+    reducing = CompressedOptimizer(inner[1], dict(TOPK, warmup_steps=1), steps_optimizer=False)
+    assert reducing.momentum_correction.owns
+    groups = inner[1].param_groups
+    for step in range(4):
+        x, t = _batch(step, 0)
+        for net in nets:
+            net.zero_grad()
+            (net(x) - t).pow(2).mean().backward()
+        stepping.step()
+        reducing.reduce_gradients()
+        inner[1].step()
+        assert inner[1].param_groups is groups
+    for a, b in zip(*[n.parameters() for n in nets]):
+        assert torch.equal(a, b)
+    assert torch.equal(stepping._buffers["momentum"], reducing._buffers["momentum"])
 
 
 def test_fixed_factor_with_another_optimizer_keeps_its_momentum(caplog):

@@ -29,9 +29,10 @@ def _params():
     return [torch.nn.Parameter(torch.randn(16, 8, generator=g)), torch.nn.Parameter(torch.randn(40, generator=g))]
 
 
-def _reference(decoupled: bool, frozen: bool) -> list[list[torch.Tensor]]:
+def _reference(decoupled: bool, frozen: bool, first_off: bool = False) -> list[list[torch.Tensor]]:
     """Parameters after each step, float64: torch's Adam(W) for the warm-up, then v-hat frozen (where it is
-    nonzero; elsewhere Adam's own) when ``frozen``."""
+    nonzero; elsewhere Adam's own) when ``frozen``, and beta1 = 0 when ``first_off`` (the wrapper owns the
+    momentum: density 1 sends u = m u + g whole and zeroes it, so what is sent is g itself)."""
     ps = [p.detach().double() for p in _params()]
     m = [torch.zeros_like(p) for p in ps]
     v = [torch.zeros_like(p) for p in ps]
@@ -46,12 +47,13 @@ def _reference(decoupled: bool, frozen: bool) -> list[list[torch.Tensor]]:
                 p.mul_(1 - LR * WD)
             else:
                 g = g + WD * p
-            m[i] = BETAS[0] * m[i] + (1 - BETAS[0]) * g
+            b1 = 0.0 if first_off and t > WARMUP else BETAS[0]
+            m[i] = b1 * m[i] + (1 - b1) * g
             v[i] = BETAS[1] * v[i] + (1 - BETAS[1]) * g * g
             vhat = v[i] / (1 - BETAS[1] ** t)
             if vhat_frozen is not None:
                 vhat = torch.where(vhat_frozen[i] > 0, vhat_frozen[i], vhat)
-            p.sub_(LR / (1 - BETAS[0] ** t) * m[i] / (vhat.sqrt() + EPS))
+            p.sub_(LR / (1 - b1 ** t) * m[i] / (vhat.sqrt() + EPS))
         out.append([p.clone() for p in ps])
     return out
 
@@ -68,13 +70,17 @@ def _step(opt, params, t):
     opt.zero_grad()
 
 
+@pytest.mark.parametrize("velocity", [None, 0.0])
 @pytest.mark.parametrize("kind", [torch.optim.AdamW, torch.optim.Adam])
-def test_frozen_step_equals_the_float64_reference(kind):
+def test_frozen_step_equals_the_float64_reference(kind, velocity):
+    """velocity None: the default momentum_correction, the compressed steps without Adam's first moment."""
     decoupled = kind is torch.optim.AdamW
     params = _params()
-    opt = _wrapper(kind, params)
+    opt = _wrapper(kind, params, dict(SECTION, momentum_correction=velocity))
     assert opt.frozen_variance  # auto: an Adam, a warm-up, error feedback, an element-selecting method
-    ref, live = _reference(decoupled, frozen=True), _reference(decoupled, frozen=False)
+    assert opt.momentum_correction.owns == (velocity is None)
+    ref = _reference(decoupled, frozen=True, first_off=velocity is None)
+    live = _reference(decoupled, frozen=False, first_off=velocity is None)
     for t in range(STEPS):
         _step(opt, params, t)
         for p, r in zip(params, ref[t]):

@@ -16,9 +16,10 @@ for a torch ``Adam``/``AdamW`` their group is stepped with beta1 = 0, for a torc
 momentum 0. The densely reduced small tensors keep the optimizer's momentum, and so does every tensor
 in a dense (warm-up) step. The default (null, "auto" below) takes m from the optimizer itself, Adam's
 beta1 or SGD's momentum, read at every step so that a schedule of it (OneCycleLR's) is followed; a
-number fixes m; 0 is off. Off by construction: no error feedback, method none or powersgd, the DDP hook (the user's
-loop steps the optimizer, not the wrapper), another optimizer class (DeepSpeed's bf16 or ZeRO
-wrappers, whose master copies are other tensors); a number then still sets m, and the wrapped
+number fixes m; 0 is off. Under the DDP hook the user's loop steps the optimizer, and
+:meth:`MomentumCorrection.hook_into` does the same through torch's optimizer step hooks. Off by
+construction: no error feedback, method none or powersgd, another optimizer class (DeepSpeed's bf16 or
+ZeRO wrappers, whose master copies are other tensors); a number then still sets m, and the wrapped
 optimizer's own momentum is the user's to turn off.
 """
 from __future__ import annotations
@@ -36,10 +37,8 @@ log = logging.getLogger(__name__)
 __all__ = ["MomentumCorrection", "owner_unsupported"]
 
 
-def owner_unsupported(optimizer, params: list, steps_optimizer: bool) -> Optional[str]:
+def owner_unsupported(optimizer, params: list) -> Optional[str]:
     """Why the wrapper cannot step ``params`` without ``optimizer``'s momentum (None: it can)."""
-    if not steps_optimizer:
-        return "the wrapper does not step the optimizer (the DDP hook)"
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         pass
     elif isinstance(optimizer, torch.optim.SGD):
@@ -71,13 +70,13 @@ class MomentumCorrection:
         compressed: the tensors whose gradients are compressed (the layout's sparse ones).
         usable: whether the reduction can carry a velocity at all (error feedback and an
             element-selecting method, and at least one compressed tensor).
-        steps_optimizer: whether the wrapper's ``step()`` steps ``optimizer``.
     """
 
-    def __init__(self, setting, optimizer, compressed: list, usable: bool, steps_optimizer: bool):
+    def __init__(self, setting, optimizer, compressed: list, usable: bool):
         self.optimizer = optimizer
         self._ids = {id(p) for p in compressed}
-        why = owner_unsupported(optimizer, compressed, steps_optimizer) if compressed else "no compressed tensor"
+        self._swapped = False  # the optimizer's param_groups are the split ones right now
+        why = owner_unsupported(optimizer, compressed) if compressed else "no compressed tensor"
         self._fixed: Optional[float] = None if setting is None else float(setting)
         self.owns = usable and why is None and self._fixed != 0.0  # steps them without the optimizer's momentum
         if not usable or (self._fixed is None and why is not None):
@@ -126,9 +125,35 @@ class MomentumCorrection:
         """Within the block the wrapped optimizer's ``param_groups`` put the compressed tensors in copies of
         their groups with the first moment 0 (Adam beta1, SGD momentum); the list is restored afterwards.
         The copies share every other setting (lr, weight decay) with the original group at this step."""
-        if not (active and self.owns):
+        original = self._swap() if active else None
+        try:
             yield
+        finally:
+            self._restore(original)
+
+    def hook_into(self, compressed) -> None:
+        """For a wrapper whose ``step()`` is not how the optimizer steps (the DDP hook): take the first
+        moment off around the optimizer's own ``step()``, through torch's public step hooks, whenever
+        ``compressed()`` says the gradients it is about to use came from a compressed exchange."""
+        if not self.owns:
             return
+        pending: list = []
+
+        def pre(opt, args, kwargs):
+            while pending:  # a step that raised never ran the post hook: restore first
+                self._restore(pending.pop())
+            if compressed():
+                pending.append(self._swap())
+
+        def post(opt, args, kwargs):
+            while pending:
+                self._restore(pending.pop())
+        self._handles = (self.optimizer.register_step_pre_hook(pre), self.optimizer.register_step_post_hook(post))
+
+    def _swap(self) -> Optional[list]:
+        """Install the split groups; returns the original list (None: nothing to do, or already split)."""
+        if not self.owns or self._swapped:
+            return None
         opt, original = self.optimizer, self.optimizer.param_groups
         split = []
         for g in original:
@@ -140,7 +165,10 @@ class MomentumCorrection:
                 off = {"momentum": 0.0} if isinstance(opt, torch.optim.SGD) else {"betas": (0.0, g["betas"][1])}
                 split.append(dict(g, params=mine, **off))
         opt.param_groups = split
-        try:
-            yield
-        finally:
-            opt.param_groups = original
+        self._swapped = True
+        return original
+
+    def _restore(self, original: Optional[list]) -> None:
+        if original is not None:
+            self.optimizer.param_groups = original
+            self._swapped = False

@@ -116,7 +116,9 @@ class CompressedOptimizer(CompressionState, ReductionSteps, LowRankSteps, torch.
         self._update_score = build_update_score(cfg, optimizer, self._params, self.layout)  # select_by
         self.momentum_correction = MomentumCorrection(  # the velocity u, and who applies the momentum
             cfg.momentum_correction, optimizer, [self._params[i] for i in self.layout.sparse],
-            self.compressor is not None and cfg.error_feedback and not self.compressor.low_rank, steps_optimizer)
+            self.compressor is not None and cfg.error_feedback and not self.compressor.low_rank)
+        if not steps_optimizer:  # the user's loop steps the optimizer (the DDP hook): its step hooks
+            self.momentum_correction.hook_into(lambda: bool(self._last.get("compressed")))
         self._value_dtype = DTYPES[cfg.value_dtype]
         self._buffers = self._make_buffers()
         self._work: dict = {}  # reused scratch buffers (see _scratch)
