@@ -89,7 +89,7 @@ def test_auto_resolution_and_errors(caplog):
 
 
 def _ranked_run(rank, world, select_by, steps=4):
-    """Per compressed step: this rank's v = e + g, its residual after, and the Adam state it ranked by."""
+    """Per compressed step: this rank's v = e + u, its residual after, and the Adam state it ranked by."""
     net = _net()
     params = list(net.parameters())
     opt = CompressedOptimizer(torch.optim.AdamW(params, lr=0.01),
@@ -106,7 +106,8 @@ def _ranked_run(rank, world, select_by, steps=4):
         flat = torch.cat([params[i].grad.reshape(-1) for i in lay.sparse])
         adam = [opt.inner.state.get(params[i]) for i in lay.sparse]
         state = [(st["exp_avg_sq"].reshape(-1).clone(), float(st["step"])) if st else None for st in adam]
-        v = res[: flat.numel()] + flat
+        u = opt._buffers["momentum"][: flat.numel()]  # the default velocity: u = beta1 u + g (beta1 0.9)
+        v = res[: flat.numel()] + (u * 0.9 + flat)
         opt.step()
         out.append({"v": v, "e": res[: flat.numel()].clone(), "state": state})
     return {"steps": out, "numels": [params[i].numel() for i in lay.sparse],

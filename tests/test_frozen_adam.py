@@ -144,7 +144,8 @@ def test_resolution_from_the_config():
                                           r"SGD, not torch.optim.Adam"):
         on(kind=torch.optim.SGD, adam_variance="frozen")
     for bad in ({"warmup_steps": 0}, {"method": "powersgd"}, {"error_feedback": False}):
-        with pytest.raises(ConfigError, match=r"adam_variance='frozen' with warmup_steps=.*allowed: warmup_steps null or >= 1"):
+        with pytest.raises(ConfigError,
+                           match=r"adam_variance='frozen' with warmup_steps=.*allowed: warmup_steps null or >= 1"):
             parse_compression(dict({"adam_variance": "frozen", "warmup_steps": 2}, **bad))
     with pytest.raises(ConfigError, match=r"gradient_compression.adam_variance.*'live'"):
         parse_compression({"adam_variance": "always"})
