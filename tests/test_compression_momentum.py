@@ -16,23 +16,11 @@ import torch
 import ds_xc
 from ds_xc.compression import CompressedOptimizer
 
-IN, H, D, LR = 12, 40, 5, 0.02
+from tests.test_compression_zero import _batch, _body  # uneven local batches (3, 5, 7 rows); a 2-layer MLP
+
+LR = 0.02
 TOPK = {"method": "topk", "density": 0.2, "min_numel": 64, "allocation": "numel", "select_by": "magnitude"}
-
-
-def _rows(rank):
-    return 3 + 2 * rank  # uneven local batches: 3, 5, 7
-
-
-def _batch(step, rank, dtype=torch.float32):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    n = _rows(rank)
-    return torch.randn(n, IN, generator=g).to(dtype), torch.randn(n, D, generator=g).to(dtype)
-
-
-def _body(dtype=torch.float32):
-    torch.manual_seed(5)  # weights 480 and 200 elements: compressed; biases 40 and 5: dense
-    return torch.nn.Sequential(torch.nn.Linear(IN, H), torch.nn.Tanh(), torch.nn.Linear(H, D)).to(dtype)
+# the MLP's weights (480 and 200 elements) are compressed, its biases (40 and 5) reduced densely
 
 
 def _inner(kind, params, dtype_groups=None):
