@@ -3,9 +3,9 @@ the compressed tensors, compresses it, and steps them without the wrapped optimi
 
 The distributed runs (1, 2 and 3 gloo ranks, uneven local batches, top-k) equal a single-process float64
 re-implementation: per rank u = m u + g, v = e + u, the k largest |v| per compressed tensor, their mean
-over the ranks, e = v - sent, u = 0 where sent; then a torch optimizer whose compressed tensors sit in a
-group with the first moment 0 at compressed steps and the optimizer's own before (the dense warm-up),
-and the small densely reduced tensors with their momentum all along. m defaults to Adam's beta1 (or
+over the ranks, e = v - sent, u = 0 where sent, the small tensors' dense mean; then a torch optimizer
+that steps with the first moment 0 at compressed steps (AdamW: every tensor; SGD: the compressed ones, the
+small dense tensors keep their heavy ball) and with its own before (the dense warm-up). m defaults to Adam's beta1 (or
 SGD's momentum) and follows a change of it; a number fixes it. Plus the cases where the default
 turns itself off, the param groups left as they were, and a checkpoint that resumes equal."""
 import logging
@@ -69,10 +69,7 @@ def _reference(world, kind, steps, fixed=None, warmup=0, change_at=None):
     u = [[torch.zeros_like(p) for p in big] for _ in range(world)]
     e = [[torch.zeros_like(p) for p in big] for _ in range(world)]
     for step in range(steps):
-        if step == change_at:
-            for g in opt.param_groups:
-                _set_first(kind, g, 0.7)
-        own = _first(kind, opt.param_groups[0])
+        own = 0.7 if change_at is not None and step >= change_at else 0.9  # the optimizer's own momentum
         m = own if fixed is None else fixed
         mean = [torch.zeros_like(p) for p in params]
         for rank in range(world):
@@ -94,7 +91,8 @@ def _reference(world, kind, steps, fixed=None, warmup=0, change_at=None):
                 mean[i] += sent.view_as(p) / world
         for p, g in zip(params, mean):
             p.grad = g
-        _set_first(kind, opt.param_groups[1], own if step < warmup else 0.0)  # the compressed tensors' group
+        for group in opt.param_groups[(0 if kind == "adamw" else 1):]:  # Adam: all; SGD: the compressed ones
+            _set_first(kind, group, own if step < warmup else 0.0)
         opt.step()
     return [p.detach() for p in params], u
 

@@ -1,4 +1,4 @@
-"""Who owns the compressed tensors' momentum (``momentum_correction``, DGC's momentum correction).
+"""Who owns the momentum of the reduced tensors (``momentum_correction``, DGC's momentum correction).
 
 Why. With error feedback an element is sent as a burst of what it accumulated, tens of steps late
 at density 0.01. An optimizer's momentum applied after the exchange (SGD's heavy ball, Adam's first
@@ -8,13 +8,19 @@ seeds (docs/compression.md, "The CNN's gap"). Deep Gradient Compression (Lin et 
 momentum before the compression: each rank accumulates the velocity u = m u + g locally, error
 feedback and the selection work on u, and u is zeroed where it was sent (optimizer.py's
 ``_accumulate`` / ``_feedback``). The optimizer must then step those tensors without its own
-momentum, or it would be applied twice.
+momentum, or it would be applied twice. A tensor reduced densely (under ``min_numel``) is DGC's limit of
+density 1: its velocity is sent whole and zeroed every step, i.e. it has no momentum either.
 
-:class:`MomentumCorrection` resolves the factor m and, where it can, takes the first moment of the
-compressed tensors out of the wrapped optimizer's step (:meth:`MomentumCorrection.first_moment_off`):
-for a torch ``Adam``/``AdamW`` their group is stepped with beta1 = 0, for a torch ``SGD`` with
-momentum 0. The densely reduced small tensors keep the optimizer's momentum, and so does every tensor
-in a dense (warm-up) step. The default (null, "auto" below) takes m from the optimizer itself, Adam's
+:class:`MomentumCorrection` resolves the factor m and, where it can, takes the first moment out of the
+wrapped optimizer's step at the steps whose reduction was compressed
+(:meth:`MomentumCorrection.first_moment_off`): a torch ``Adam``/``AdamW`` steps every tensor the wrapper
+reduces with beta1 = 0, a torch ``SGD`` steps the compressed tensors with momentum 0. Why the two differ:
+Adam's first moment is an average, so without it a dense tensor's steps keep their size, and on the
+glyphs CNN (four seeds, docs/compression.md) leaving the small dense tensors (BatchNorm, biases) their
+beta1 ended 1.2 points of top-1 lower on average; SGD's heavy ball multiplies a consistent gradient by
+1 / (1 - m), so taking it from the dense tensors would cut their learning rate tenfold at m = 0.9 (and a
+test of SGD on the synthetic MLP trains worse so). In a dense (warm-up) step every tensor keeps the
+optimizer's momentum, and tensors the optimizer steps but the wrapper does not reduce are never touched. The default (null, "auto" below) takes m from the optimizer itself, Adam's
 beta1 or SGD's momentum, read at every step so that a schedule of it (OneCycleLR's) is followed; a
 number fixes m; 0 is off. Under the DDP hook the user's loop steps the optimizer, and
 :meth:`MomentumCorrection.hook_into` does the same through torch's optimizer step hooks. Off by
@@ -67,16 +73,21 @@ class MomentumCorrection:
     Args:
         setting: the section's ``momentum_correction`` (None: auto, or a number in [0, 1)).
         optimizer: the wrapped optimizer.
-        compressed: the tensors whose gradients are compressed (the layout's sparse ones).
+        compressed: the tensors whose gradients are compressed (the layout's sparse ones): auto reads m
+            from their groups.
+        reduced: every tensor the wrapper reduces (compressed or dense): an Adam steps them all without its
+            first moment (an SGD only the compressed ones).
         usable: whether the reduction can carry a velocity at all (error feedback and an
             element-selecting method, and at least one compressed tensor).
     """
 
-    def __init__(self, setting, optimizer, compressed: list, usable: bool):
+    def __init__(self, setting, optimizer, compressed: list, reduced: list, usable: bool):
         self.optimizer = optimizer
-        self._ids = {id(p) for p in compressed}
+        self._compressed = {id(p) for p in compressed}
+        adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+        self._ids = {id(p) for p in (reduced if adam else compressed)}  # stepped without the first moment
         self._swapped = False  # the optimizer's param_groups are the split ones right now
-        why = owner_unsupported(optimizer, compressed) if compressed else "no compressed tensor"
+        why = owner_unsupported(optimizer, reduced) if compressed else "no compressed tensor"
         self._fixed: Optional[float] = None if setting is None else float(setting)
         self.owns = usable and why is None and self._fixed != 0.0  # steps them without the optimizer's momentum
         if not usable or (self._fixed is None and why is not None):
@@ -88,8 +99,8 @@ class MomentumCorrection:
         if self._fixed is None:
             values = self._values()
             if len(values) > 1:
-                log.warning("%s.momentum_correction null (auto): the parameter groups of the compressed tensors have "
-                            "different momenta %s; off (set a number to use one factor for all)",
+                log.warning("%s.momentum_correction null (auto): the parameter groups of the compressed tensors "
+                            "have different momenta %s; off (set a number to use one factor for all)",
                             COMPRESSION_SECTION, sorted(values))
                 self.enabled = self.owns = False
                 return
@@ -101,13 +112,14 @@ class MomentumCorrection:
         if self._fixed is not None and why is not None and self.enabled:
             log.info("CompressedOptimizer: momentum_correction %g; the wrapped optimizer's own momentum is left as "
                      "it is (%s): set it to 0, or it applies twice", self._fixed, why)
-        log.info("CompressedOptimizer: momentum_correction %s, compressed tensors stepped %s",
+        log.info("CompressedOptimizer: momentum_correction %s, the reduced tensors stepped %s",
                  "auto (the optimizer's own momentum)" if self._fixed is None else f"{self._fixed:g}",
-                 "without the optimizer's first moment" if self.owns else "by the optimizer as it is")
+                 "without the optimizer's first moment after a compressed reduction" if self.owns
+                 else "by the optimizer as it is")
 
     def _values(self) -> set:
         return {_first_moment(self.optimizer, g) for g in self.optimizer.param_groups
-                if any(id(p) in self._ids for p in g["params"])}
+                if any(id(p) in self._compressed for p in g["params"])}
 
     def factor(self) -> float:
         """m for this step: the fixed number, or the optimizer's current momentum (auto)."""
@@ -122,8 +134,9 @@ class MomentumCorrection:
 
     @contextlib.contextmanager
     def first_moment_off(self, active: bool = True):
-        """Within the block the wrapped optimizer's ``param_groups`` put the compressed tensors in copies of
-        their groups with the first moment 0 (Adam beta1, SGD momentum); the list is restored afterwards.
+        """Within the block the wrapped optimizer's ``param_groups`` put the tensors it owns (an Adam's
+        reduced ones, an SGD's compressed ones) in copies of their groups with the first moment 0 (beta1,
+        momentum); the list is restored afterwards.
         The copies share every other setting (lr, weight decay) with the original group at this step."""
         original = self._swap() if active else None
         try:

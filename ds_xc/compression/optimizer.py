@@ -7,7 +7,7 @@ as one flat fp32 bucket:
 
     x = local gradient                (with a hierarchy: node mean of this rank's slice)
     u = m u + x; v = e + u            (DGC momentum correction, m: Adam's beta1 or SGD's momentum by default,
-                                       which then step these tensors without it; momentum.py)
+                                       which then steps the reduced tensors without it; momentum.py)
     v = e + x                         (plain error feedback; v = x without it)
     S = compressor.select(score(v))   (per tensor; score: v, or v / sqrt(Adam's v-hat), see score.py;
                                        bayes_prior syncs the score's statistics first)
@@ -115,7 +115,7 @@ class CompressedOptimizer(CompressionState, ReductionSteps, LowRankSteps, torch.
                                   min_dim=self.compressor.min_dim if self.compressor is not None else 1)
         self._update_score = build_update_score(cfg, optimizer, self._params, self.layout)  # select_by
         self.momentum_correction = MomentumCorrection(  # the velocity u, and who applies the momentum
-            cfg.momentum_correction, optimizer, [self._params[i] for i in self.layout.sparse],
+            cfg.momentum_correction, optimizer, [self._params[i] for i in self.layout.sparse], self._params,
             self.compressor is not None and cfg.error_feedback and not self.compressor.low_rank)
         if not steps_optimizer:  # the user's loop steps the optimizer (the DDP hook): its step hooks
             self.momentum_correction.hook_into(lambda: bool(self._last.get("compressed")))
@@ -215,7 +215,7 @@ class CompressedOptimizer(CompressionState, ReductionSteps, LowRankSteps, torch.
         else:
             self.reduce_gradients()
         compressed = bool(self._last.get("compressed"))
-        with self.momentum_correction.first_moment_off(compressed):  # the velocity u was their momentum
+        with self.momentum_correction.first_moment_off(compressed):  # the velocity u is the momentum
             if self.frozen_variance and compressed and not skipped:
                 frozen_variance_step(self.inner, self._frozen_cache)  # Adam with v-hat fixed after the warm-up
             else:
