@@ -20,9 +20,10 @@ glyphs CNN (four seeds, docs/compression.md) leaving the small dense tensors (Ba
 beta1 ended 1.2 points of top-1 lower on average; SGD's heavy ball multiplies a consistent gradient by
 1 / (1 - m), so taking it from the dense tensors would cut their learning rate tenfold at m = 0.9 (and a
 test of SGD on the synthetic MLP trains worse so). In a dense (warm-up) step every tensor keeps the
-optimizer's momentum, and tensors the optimizer steps but the wrapper does not reduce are never touched. The default (null, "auto" below) takes m from the optimizer itself, Adam's
-beta1 or SGD's momentum, read at every step so that a schedule of it (OneCycleLR's) is followed; a
-number fixes m; 0 is off. Under the DDP hook the user's loop steps the optimizer, and
+optimizer's momentum, and tensors the optimizer steps but the wrapper does not reduce are never touched.
+
+The default (null, "auto" below) takes m from the optimizer itself, Adam's beta1 or SGD's momentum,
+read at every step so that a schedule of it (OneCycleLR's) is followed; a number fixes m; 0 is off. Under the DDP hook the user's loop steps the optimizer, and
 :meth:`MomentumCorrection.hook_into` does the same through torch's optimizer step hooks. Off by
 construction: no error feedback, method none or powersgd, another optimizer class (DeepSpeed's bf16 or
 ZeRO wrappers, whose master copies are other tensors); a number then still sets m, and the wrapped
