@@ -23,11 +23,11 @@ test of SGD on the synthetic MLP trains worse so). In a dense (warm-up) step eve
 optimizer's momentum, and tensors the optimizer steps but the wrapper does not reduce are never touched.
 
 The default (null, "auto" below) takes m from the optimizer itself, Adam's beta1 or SGD's momentum,
-read at every step so that a schedule of it (OneCycleLR's) is followed; a number fixes m; 0 is off. Under the DDP hook the user's loop steps the optimizer, and
-:meth:`MomentumCorrection.hook_into` does the same through torch's optimizer step hooks. Off by
-construction: no error feedback, method none or powersgd, another optimizer class (DeepSpeed's bf16 or
-ZeRO wrappers, whose master copies are other tensors); a number then still sets m, and the wrapped
-optimizer's own momentum is the user's to turn off.
+read at every step so that a schedule of it (OneCycleLR's) is followed; a number fixes m; 0 is off.
+Under the DDP hook the user's loop steps the optimizer, and :meth:`MomentumCorrection.hook_into` does
+the same through torch's optimizer step hooks. Off by construction: no error feedback, method none or
+powersgd, another optimizer class (DeepSpeed's bf16 or ZeRO wrappers, whose master copies are other
+tensors); a number then still sets m, and the wrapped optimizer's own momentum is the user's to turn off.
 """
 from __future__ import annotations
 
