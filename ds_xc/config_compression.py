@@ -134,13 +134,13 @@ class GradientCompressionConfig(Section):
         "inside 65536-element blocks plus one int32 count per block). The part lost by rounding "
         "stays in the residual.")
     momentum_correction: Optional[float] = Field(
-        None, ge=0.0, lt=1.0, description="DGC momentum m: accumulate u = m u + g locally before error feedback "
-        "and the selection, zero u where sent, and step the compressed tensors without the wrapped optimizer's "
-        "first moment (a torch Adam/AdamW's beta1, a torch SGD's momentum; ds_xc/compression/momentum.py), the "
-        "small densely reduced ones with it. Default (null): m = that optimizer's own beta1 or momentum (read "
-        "every step), where the wrapper steps it on the tensors it reduces, else 0; 0 = off. With another "
-        "optimizer a number still sets m and its own momentum is the user's to turn off. Chosen on the glyphs "
-        "CNN and the text task (docs/compression.md).")
+        None, ge=0.0, lt=1.0, description="DGC momentum m: accumulate u = m u + g of the compressed tensors "
+        "locally before error feedback and the selection, zero u where sent, and after a compressed reduction "
+        "step without the wrapped optimizer's first moment: a torch Adam/AdamW every reduced tensor with beta1 0, "
+        "a torch SGD the compressed ones with momentum 0 (ds_xc/compression/momentum.py). Default (null): m = "
+        "that optimizer's own beta1 or momentum (read every step), where the wrapper steps it on the tensors it "
+        "reduces, else 0; 0 = off. With another optimizer a number still sets m and its own momentum is the "
+        "user's to turn off. Chosen on the glyphs CNN and the text task (docs/compression.md).")
     hierarchy: HierarchyConfig = Field(default_factory=HierarchyConfig, description="Node groups.")
     powersgd: PowerSGDConfig = Field(default_factory=PowerSGDConfig, description="method powersgd: rank and "
                                      "warm start (density and allocation do not apply to it).")
