@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["FROZEN_KEY", "not_torch_adam", "unsupported_reason", "frozen_variance_step"]
+__all__ = ["FROZEN_KEY", "not_torch_adam", "steps_other_tensors", "unsupported_reason", "frozen_variance_step"]
 
 FROZEN_KEY = "frozen_exp_avg_sq"
 
@@ -37,6 +37,14 @@ def not_torch_adam(optimizer) -> Optional[str]:
     """Why ``optimizer`` is not a torch.optim.Adam or AdamW, whose state this module reads (None: it is one)."""
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         return f"the wrapped optimizer is {type(optimizer).__name__}, not torch.optim.Adam or torch.optim.AdamW"
+    return None
+
+
+def steps_other_tensors(optimizer, params: list) -> Optional[str]:
+    """Why ``optimizer``'s state does not describe ``params`` (None: it steps every one of them itself)."""
+    owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    if any(id(p) not in owned for p in params):
+        return "the wrapped optimizer steps other tensors than the ones reduced (master copies)"
     return None
 
 

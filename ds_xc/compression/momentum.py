@@ -37,6 +37,7 @@ from typing import Optional
 
 import torch
 
+from ds_xc.compression.frozen_adam import not_torch_adam, steps_other_tensors
 from ds_xc.config_base import COMPRESSION_SECTION
 
 log = logging.getLogger(__name__)
@@ -46,19 +47,14 @@ __all__ = ["MomentumCorrection", "owner_unsupported"]
 
 def owner_unsupported(optimizer, params: list) -> Optional[str]:
     """Why the wrapper cannot step ``params`` without ``optimizer``'s momentum (None: it can)."""
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        pass
-    elif isinstance(optimizer, torch.optim.SGD):
+    if isinstance(optimizer, torch.optim.SGD):
         for g in optimizer.param_groups:
             if g.get("nesterov") or g.get("dampening", 0.0):
                 return (f"the wrapped SGD has nesterov={g.get('nesterov')} dampening={g.get('dampening')} (its "
                         "momentum is not DGC's u = m u + g)")
-    else:
+    elif not_torch_adam(optimizer) is not None:
         return f"the wrapped optimizer is {type(optimizer).__name__}, not torch.optim.Adam, AdamW or SGD"
-    owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    if any(id(p) not in owned for p in params):
-        return "the wrapped optimizer steps other tensors than the ones reduced (master copies)"
-    return None
+    return steps_other_tensors(optimizer, params)
 
 
 def _first_moment(optimizer, group: dict) -> float:
@@ -85,32 +81,18 @@ class MomentumCorrection:
     def __init__(self, setting, optimizer, compressed: list, reduced: list, usable: bool):
         self.optimizer = optimizer
         self._compressed = {id(p) for p in compressed}
-        adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+        self._groups: list = []  # the optimizer's group dicts that hold compressed tensors (see _values)
+        self._groups_of = None  # the param_groups list they were taken from
+        adam = not_torch_adam(optimizer) is None
         self._ids = {id(p) for p in (reduced if adam else compressed)}  # stepped without the first moment
         self._swapped = False  # the optimizer's param_groups are the split ones right now
         why = owner_unsupported(optimizer, reduced) if compressed else "no compressed tensor"
         self._fixed: Optional[float] = None if setting is None else float(setting)
-        self.owns = usable and why is None and self._fixed != 0.0  # steps them without the optimizer's momentum
-        if not usable or (self._fixed is None and why is not None):
-            self.enabled = False
-            if setting is None:
-                log.info("CompressedOptimizer: momentum_correction auto -> off (%s)", why if usable else
-                         "no error feedback, method none or powersgd, or no compressed tensor")
+        self.enabled = self._resolve(usable, why)
+        self.owns = self.enabled and why is None  # steps them without the optimizer's momentum
+        if not self.enabled:
             return
-        if self._fixed is None:
-            values = self._values()
-            if len(values) > 1:
-                log.warning("%s.momentum_correction null (auto): the parameter groups of the compressed tensors "
-                            "have different momenta %s; off (set a number to use one factor for all)",
-                            COMPRESSION_SECTION, sorted(values))
-                self.enabled = self.owns = False
-                return
-            if values == {0.0}:
-                log.info("CompressedOptimizer: momentum_correction auto -> off (the optimizer has no momentum)")
-                self.enabled = self.owns = False
-                return
-        self.enabled = self._fixed is None or self._fixed > 0.0
-        if self._fixed is not None and why is not None and self.enabled:
+        if self._fixed is not None and why is not None:
             log.info("CompressedOptimizer: momentum_correction %g; the wrapped optimizer's own momentum is left as "
                      "it is (%s): set it to 0, or it applies twice", self._fixed, why)
         log.info("CompressedOptimizer: momentum_correction %s, the reduced tensors stepped %s",
@@ -118,9 +100,34 @@ class MomentumCorrection:
                  "without the optimizer's first moment after a compressed reduction" if self.owns
                  else "by the optimizer as it is")
 
+    def _resolve(self, usable: bool, why: Optional[str]) -> bool:
+        """Whether the velocity is on: a number > 0, or auto where the optimizer has one momentum > 0."""
+        if not usable or (self._fixed is None and why is not None):
+            if self._fixed is None:
+                log.info("CompressedOptimizer: momentum_correction auto -> off (%s)", why if usable else
+                         "no error feedback, method none or powersgd, or no compressed tensor")
+            return False
+        if self._fixed is not None:
+            return self._fixed > 0.0
+        values = self._values()
+        if len(values) > 1:
+            log.warning("%s.momentum_correction null (auto): the parameter groups of the compressed tensors "
+                        "have different momenta %s; off (set a number to use one factor for all)",
+                        COMPRESSION_SECTION, sorted(values))
+            return False
+        if values == {0.0}:
+            log.info("CompressedOptimizer: momentum_correction auto -> off (the optimizer has no momentum)")
+            return False
+        return True
+
     def _values(self) -> set:
-        return {_first_moment(self.optimizer, g) for g in self.optimizer.param_groups
-                if any(id(p) in self._compressed for p in g["params"])}
+        """The momenta of the groups holding compressed tensors. The groups are found once per param_groups
+        list (torch's load_state_dict installs a new one), not per call: this runs on every bucket."""
+        groups = self.optimizer.param_groups
+        if groups is not self._groups_of and not self._swapped:
+            self._groups = [g for g in groups if any(id(p) in self._compressed for p in g["params"])]
+            self._groups_of = groups
+        return {_first_moment(self.optimizer, g) for g in self._groups}
 
     def factor(self) -> float:
         """m for this step: the fixed number, or the optimizer's current momentum (auto)."""
@@ -162,7 +169,8 @@ class MomentumCorrection:
         def post(opt, args, kwargs):
             while pending:
                 self._restore(pending.pop())
-        self._handles = (self.optimizer.register_step_pre_hook(pre), self.optimizer.register_step_post_hook(post))
+        self.optimizer.register_step_pre_hook(pre)
+        self.optimizer.register_step_post_hook(post)
 
     def _swap(self) -> Optional[list]:
         """Install the split groups; returns the original list (None: nothing to do, or already split)."""

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from ds_xc.compression.frozen_adam import FROZEN_KEY, not_torch_adam
+from ds_xc.compression.frozen_adam import FROZEN_KEY, not_torch_adam, steps_other_tensors
 from ds_xc.config_base import COMPRESSION_SECTION, ConfigError
 from ds_xc_ops.score import update_score
 
@@ -37,13 +37,7 @@ FLOOR = 1e-4  # v-hat floor, relative to the tensor's mean v-hat
 
 def update_score_unsupported(optimizer, params: list) -> Optional[str]:
     """Why ``select_by: update`` cannot rank ``params`` by ``optimizer``'s steps (None: it can)."""
-    why = not_torch_adam(optimizer)
-    if why is not None:
-        return why
-    owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    if any(id(p) not in owned for p in params):
-        return "the wrapped optimizer steps other tensors than the ones reduced (master copies)"
-    return None
+    return not_torch_adam(optimizer) or steps_other_tensors(optimizer, params)
 
 
 class UpdateScore:
