@@ -403,3 +403,17 @@ def test_allocation_nonzero_single_process_counts():
             for p, d in zip(big, before):
                 assert int((p.grad != 0).sum()) == max(1, round(d * p.numel()))
     assert opt.state[embed.weight]["density"] < 0.02 < opt.state[fc.weight]["density"]
+
+
+def test_param_groups_stay_the_inner_optimizers_after_loading():
+    """torch's load_state_dict installs a new param_groups list: the wrapper must follow it, or an LR
+    scheduler (which steps the wrapper's groups) would no longer reach the wrapped optimizer."""
+    model = torch.nn.Linear(64, 64)
+    opt = CompressedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), {"method": "topk", "min_numel": 10})
+    opt.load_state_dict(opt.state_dict())
+    assert opt.param_groups is opt.inner.param_groups
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.0)  # sets lr 0 through the wrapper
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.randn(4, 64)).pow(2).sum().backward()
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # lr 0 reached the SGD

@@ -104,10 +104,12 @@ class CompressionState:
             log.warning("optimizer state without a 'compression' part (saved uncompressed?): loading it into "
                         "the wrapped optimizer; error-feedback residuals start from zero")
             self.inner.load_state_dict(state_dict, **kwargs)
+            self.param_groups = self.inner.param_groups  # torch's load installs a new list
             return
         with all_or_none("CompressedOptimizer.load_state_dict (checking the compression state)", self.group):
             self.check_compression_state(state_dict["compression"])  # before anything is loaded
         agree(int(state_dict["compression"]["step"]), "the compression step of the optimizer state being loaded",
               self.group)
         self.inner.load_state_dict(state_dict["inner"], **kwargs)
+        self.param_groups = self.inner.param_groups  # torch's load installs a new list: LR schedulers see it
         self.load_compression_state_dict(state_dict["compression"])
