@@ -73,6 +73,31 @@ def test_a_frozen_variance_is_the_one_ranked_by():
     assert (frozen.reshape(-1) < FLOOR * float(frozen.mean())).any()  # the floor is exercised
 
 
+
+def test_the_score_follows_the_groups_a_load_installs():
+    """torch's load_state_dict installs new group dicts (with the checkpoint's betas): the score
+    then bias-corrects with the loaded beta2, and with a schedule's later change of it."""
+    net = _net()
+    params = list(net.parameters())
+    saved = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95))
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        saved.step()
+    opt = torch.optim.AdamW(params, lr=1e-3)  # beta2 0.999 until the load
+    lay = plan_layout(params, 1000, True)
+    score = UpdateScore(opt, params, lay)
+    n = params[0].numel()
+    v = torch.randn(lay.padded)
+    score(v, torch.zeros_like(v), 0, n)  # builds the map on the groups of before
+    opt.load_state_dict(saved.state_dict())
+    sq = opt.state[params[0]]["exp_avg_sq"].reshape(-1)
+    for beta2 in (0.95, 0.9):
+        opt.param_groups[0]["betas"] = (0.9, beta2)
+        out = score(v, torch.zeros_like(v), 0, n)
+        torch.testing.assert_close(out[:n].double(), _score64(v[:n], sq, 2, beta2), rtol=1e-6, atol=0.0)
+    assert not torch.allclose(out[:n].double(), _score64(v[:n], sq, 2, 0.999), rtol=1e-3, atol=0.0)
+
 def test_auto_resolution_and_errors(caplog):
     net = _net()
     cfg = {"method": "topk", "density": 0.1, "min_numel": 1000}

@@ -45,8 +45,8 @@ class UpdateScore:
 
     def __init__(self, optimizer, params: list, layout):
         self.optimizer = optimizer
-        # each parameter's group (the optimizer's own dict: a later change of betas is followed)
-        self.group = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        self._group: dict = {}  # id(param) -> its group dict (the optimizer's own: a change of betas is followed)
+        self._group_of = None  # the param_groups list the map was taken from (see beta2)
         lo, hi = layout.region
         # (param, region start, region end, offset in the param) for each compressed parameter in the region
         self.parts = []
@@ -54,6 +54,16 @@ class UpdateScore:
             a, b = max(start, lo), min(start + params[i].numel(), hi)
             if a < b:
                 self.parts.append((params[i], a - lo, b - lo, a - start))
+
+    def beta2(self, p: torch.Tensor) -> float:
+        """``p``'s beta2, read from its group now. The map is rebuilt whenever the optimizer holds another
+        param_groups list than the one it was built from: torch's ``load_state_dict`` installs new group
+        dicts (a checkpoint's betas), and the old ones would go on answering with the betas of before."""
+        groups = self.optimizer.param_groups
+        if groups is not self._group_of:
+            self._group = {id(q): g for g in groups for q in g["params"]}
+            self._group_of = groups
+        return float(self._group[id(p)]["betas"][1])
 
     @torch.no_grad()
     def __call__(self, v: torch.Tensor, out: torch.Tensor, a: int, b: int) -> torch.Tensor:
@@ -70,7 +80,7 @@ class UpdateScore:
             if FROZEN_KEY in st:  # adam_variance frozen: the v-hat the steps divide by (bias-corrected)
                 full, scale = st[FROZEN_KEY], 1.0
             else:
-                full, scale = st["exp_avg_sq"], 1.0 / (1.0 - self.group[id(p)]["betas"][1] ** steps)
+                full, scale = st["exp_avg_sq"], 1.0 / (1.0 - self.beta2(p) ** steps)
             moment = full.reshape(-1)[offset + lo - start: offset + hi - start]  # (hi - lo,)
             floor = full.mean().mul_(FLOOR * scale).clamp_(min=1e-38)  # 0-dim, on the device: no host sync
             update_score(v[lo:hi], moment, scale, floor, out[lo:hi])  # one fused pass on the CPU
