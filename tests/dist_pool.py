@@ -31,17 +31,14 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
     while True:
         item = tasks.get()
         if item is None:
-            break
+            results.close()
+            results.join_thread()  # every result put is flushed to the parent
+            os._exit(0)  # no barrier nor teardown of the groups: seconds for a pool that made many
         fn, args = item
         try:
             results.put((rank, True, fn(rank, world, *args)))
         except BaseException:  # report, keep serving
             results.put((rank, False, traceback.format_exc()))
-    try:
-        dist.barrier()
-        dist.destroy_process_group()
-    except Exception:
-        pass
 
 
 class DistPool:
@@ -76,6 +73,19 @@ class DistPool:
 
     def close(self, force: bool = False) -> None:
         close_all([self], force=force)
+
+    def threads(self) -> int:
+        """The most OS threads any live worker has (0 where /proc cannot tell). Every process group a
+        test creates adds gloo threads to each rank that stay until the pool ends, and their event
+        loops wake up even when idle: a pool that served many tests keeps the cores busy."""
+        most = 0
+        for p in self.procs:
+            try:
+                with open(f"/proc/{p.pid}/status") as fh:
+                    most = max(most, next(int(ln.split()[1]) for ln in fh if ln.startswith("Threads:")))
+            except (OSError, StopIteration, ValueError):
+                pass
+        return most
 
 
 def close_all(pools: list, force: bool = False, timeout: float = 10.0) -> None:

@@ -163,6 +163,21 @@ def _constants_file(tmp_path) -> str:
     return path
 
 
+@pytest.fixture
+def small_grid(monkeypatch):
+    """A 13-candidate space (ANN: 2 rates x 2 scans x 2 update modes; uniform: 2 rates x 2 modes) for the
+    real runs. Which candidates the tuner measures depends on measured step times (the stop rule skips
+    those predicted slower than 1.5x the best measurement), so on a loaded machine, where every
+    measurement is slower, it measured up to all 115 of the full space: 219 s for one test in the suite
+    against 6 s alone. What these tests check (parsing, the choice rule, the cache, the probe) needs no
+    more."""
+    from ds_xc.tune import space
+    monkeypatch.setattr(space, "SAMPLE_RATES", (0.05, 0.1))
+    monkeypatch.setattr(space, "SCAN_ROWS", (8192, 16384))
+    monkeypatch.setattr(space, "RERANKS", (64,))
+    monkeypatch.setattr(space, "CODE_BITS", (256,))
+
+
 def _run(tmp_path, target, **kw):
     raw = _raw(num_classes=3000, dim=16, micro=64, sampler={"type": "ann"})
     train, held = _inputs(3000, 16, 64)
@@ -172,7 +187,7 @@ def _run(tmp_path, target, **kw):
 
 
 @pytest.mark.slow
-def test_tuner_output_parses_and_keeps_other_keys(tmp_path):
+def test_tuner_output_parses_and_keeps_other_keys(small_grid, tmp_path):
     raw, res = _run(tmp_path, Target(min_recall=0.2, max_memory_gib=4.0), time_budget_s=3.0)
     out = res.chosen.config
     ds_xc.parse_config(out)
@@ -184,7 +199,7 @@ def test_tuner_output_parses_and_keeps_other_keys(tmp_path):
                                                     if r.measured["recall"] >= 0.2)
 
 
-def test_impossible_target_names_tightest_constraint(tmp_path):
+def test_impossible_target_names_tightest_constraint(small_grid, tmp_path):
     with pytest.raises(TargetUnreachable) as info:
         _run(tmp_path, Target(max_memory_gib=1e-6, min_recall=0.2), time_budget_s=3.0)
     msg = str(info.value)
@@ -194,7 +209,7 @@ def test_impossible_target_names_tightest_constraint(tmp_path):
 
 
 @pytest.mark.slow
-def test_interrupted_run_resumes_from_cache(tmp_path, monkeypatch):
+def test_interrupted_run_resumes_from_cache(small_grid, tmp_path, monkeypatch):
     from ds_xc.tune import tuner as tuner_module
     monkeypatch.setattr(tuner_module, "STOP_FACTOR", 1e9)  # no stop by prediction: at least 3 measurements
     real = tune_session.measure_candidate
@@ -246,7 +261,8 @@ def test_launch_tune_end_to_end(tmp_path):
     env = dict(os.environ, DS_XC_CACHE=str(cache), OMP_NUM_THREADS="1")
     cmd = [sys.executable, os.path.join(root, "launch", "tune.py"), "--deepspeed_config", str(src), "--min_recall",
            "0.05", "--time_budget_s", "2", "--pretrain_steps", "2", "--steps", "1", "--warmup", "1",
-           "--samplers", "ann,uniform", "--out", str(tmp_path / "out.json")]
+           "--samplers", "ann,uniform", "--probe_steps", "8", "--probe_eval_batches", "4", "--max_probes", "1",
+           "--out", str(tmp_path / "out.json")]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "chosen:" in done.stdout and "tuner wall time" in done.stdout
@@ -346,7 +362,7 @@ def test_probe_accuracy_equals_a_dense_float64_reference():
 
 
 @pytest.mark.slow
-def test_tuner_with_probe_never_chooses_a_less_accurate_candidate_and_caches_probes(tmp_path, monkeypatch):
+def test_tuner_with_probe_never_chooses_a_less_accurate_candidate_and_caches_probes(small_grid, tmp_path, monkeypatch):
     """A real run with the probe: the choice is the defaults or a candidate whose probe top-1 is at
     least the defaults'; a second run takes every probe from the cache."""
     real = tune_session.probe_accuracy
