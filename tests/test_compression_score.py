@@ -73,7 +73,6 @@ def test_a_frozen_variance_is_the_one_ranked_by():
     assert (frozen.reshape(-1) < FLOOR * float(frozen.mean())).any()  # the floor is exercised
 
 
-
 def test_the_score_follows_the_groups_a_load_installs():
     """torch's load_state_dict installs new group dicts (with the checkpoint's betas): the score
     then bias-corrects with the loaded beta2, and with a schedule's later change of it."""
@@ -97,6 +96,7 @@ def test_the_score_follows_the_groups_a_load_installs():
         out = score(v, torch.zeros_like(v), 0, n)
         torch.testing.assert_close(out[:n].double(), _score64(v[:n], sq, 2, beta2), rtol=1e-6, atol=0.0)
     assert not torch.allclose(out[:n].double(), _score64(v[:n], sq, 2, 0.999), rtol=1e-3, atol=0.0)
+
 
 def test_auto_resolution_and_errors(caplog):
     net = _net()
