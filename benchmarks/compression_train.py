@@ -157,6 +157,8 @@ def main(argv=None) -> dict:
         result["compression"] = stats
         result["compression_config"] = comp.config.model_dump()
         result["frozen_variance"] = bool(getattr(comp, "frozen_variance", False))
+        if comp.step_check.verdict is not None:  # gradient_compression.link_gbit_per_s > 0: the step check
+            result["step_check"] = comp.step_check.verdict.summary()
     if args.eval:
         ev = curve[-1] if curve and curve[-1]["step"] == len(times) else evaluate()
         result.update(top1=ev["top1"], top5=ev["top5"], eval_samples=ev["samples"])

@@ -148,8 +148,10 @@ class GradientCompressionConfig(Section):
     link_gbit_per_s: float = Field(0.0, ge=0.0, allow_inf_nan=False, description="Speed of the slowest "
                                    "link between the ranks in Gbit/s, for the check whether compression pays "
                                    "(ds_xc.compression.pays): when > 0 and the cost model predicts the compressed "
-                                   "reduction slower than the dense all-reduce, a WARNING is logged at start. "
-                                   "0 = unknown: the check logs at DEBUG only.")
+                                   "reduction slower than the dense all-reduce, a WARNING is logged at start; "
+                                   "after the warm-ups the measured step is judged against the predicted exact one "
+                                   "(embedding tables as rows), a WARNING when it does not pay. "
+                                   "0 = unknown: the checks log at DEBUG only.")
 
     @model_validator(mode="before")
     @classmethod

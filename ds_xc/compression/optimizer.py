@@ -39,7 +39,7 @@ from ds_xc.compression.exact import exact_mean_
 from ds_xc.compression.frozen_adam import frozen_variance_step, unsupported_reason
 from ds_xc.compression.layout import gather_flat, plan_layout, scatter_flat
 from ds_xc.compression.momentum import MomentumCorrection
-from ds_xc.compression.pays import check_config
+from ds_xc.compression.pays import StepCheck, check_config
 from ds_xc.compression.powersgd import LowRankSteps
 from ds_xc.compression.score import build_update_score
 from ds_xc.compression.seeds import mix_seed, seeded_generator
@@ -147,6 +147,8 @@ class CompressedOptimizer(CompressionState, ReductionSteps, LowRankSteps, torch.
                         "spent on exploration, so the form changes nothing; set prior.strength in (0, 1) (e.g. 0.1, "
                         "or preset 'paper') to explore", COMPRESSION_SECTION)  # not an error: each value is valid alone
         check_config(cfg, self.layout.numel, self.world_size, self.nodes is not None)  # warns if it does not pay
+        self.step_check = StepCheck(cfg, [self._params[i] for i in self.layout.sparse], self.world_size,  # the step
+                                    self.warmup_steps + cfg.density_warmup_steps, self.nodes is not None)
 
     @staticmethod
     def _resolve_adam_variance(cfg: GradientCompressionConfig, optimizer) -> bool:
@@ -244,7 +246,7 @@ class CompressedOptimizer(CompressionState, ReductionSteps, LowRankSteps, torch.
             if p.grad is None:  # every rank must take part in every collective
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
-        before = self.counter.snapshot()
+        before = self.begin_reduction()
         if not self.compresses_this_step():  # the exact mean: nonzeros as pairs where that moves fewer bytes
             lay = self.layout
             if self.compressor is not None and self.nodes is None:

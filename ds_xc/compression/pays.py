@@ -9,19 +9,35 @@ compute per element) and logs a WARNING in the ``does not pay`` region (speedup 
 numbers and what to do; ``marginal`` and ``pays`` are logged at INFO. With the link unknown (0)
 it logs at DEBUG only. :func:`verdict` is the same model for any numbers (docs/compression.md,
 "When compression pays").
+
+The start-up check judges the reduction alone. :class:`StepCheck` then judges the whole step on
+the running job (:mod:`ds_xc.cost.compression_step`): it times :data:`MEASURE_STEPS` compressed
+steps after the warm-ups, counts the nonzero rows of the compressed 2-D gradients once (embedding
+tables, whose exact mean can go as rows), and logs once whether the measured compressed step beats
+the predicted exact one by more than the extra steps compression needs: a WARNING when it does not.
 """
 from __future__ import annotations
 
 import logging
-from typing import Optional
+import statistics
+import time
+from typing import Optional, Sequence
+
+import torch
 
 from ds_xc.compression.config import GradientCompressionConfig
 from ds_xc.cost.compression import (BREAK_EVEN, DEFAULT_LATENCY_S, METHODS, PAYS_AT, Calibration, Verdict,
                                     break_even_gbit, verdict)
+from ds_xc.cost.comm import Link
+from ds_xc.cost.compression_step import STEPS_FACTOR, StepVerdict, Table, step_verdict
 
 log = logging.getLogger(__name__)
 
-__all__ = ["verdict", "Verdict", "Calibration", "break_even_gbit", "check_config", "paying_density", "PAYS_AT", "BREAK_EVEN"]
+__all__ = ["verdict", "Verdict", "Calibration", "break_even_gbit", "check_config", "paying_density", "PAYS_AT",
+           "BREAK_EVEN", "StepCheck", "StepVerdict", "MEASURE_STEPS", "SETTLE_STEPS"]
+
+MEASURE_STEPS = 20  # compressed steps the step check times (medians)
+SETTLE_STEPS = 5  # compressed steps after the warm-ups left out first (allocation, first syncs)
 
 
 def paying_density(v: Verdict, target: float = PAYS_AT, *, latency_s: float = DEFAULT_LATENCY_S,
@@ -94,3 +110,102 @@ def check_config(cfg: GradientCompressionConfig, numel: int, world_size: int, hi
     else:
         log.info("gradient compression %s: %s", v.verdict, numbers)
     return v
+
+
+class StepCheck:
+    """Times a running job's compressed steps and logs once whether compression pays for the step.
+
+    :class:`~ds_xc.compression.optimizer.CompressedOptimizer` calls :meth:`begin` when a step's
+    reduction starts and :meth:`end` when it ends. From step ``start`` + :data:`SETTLE_STEPS` on,
+    it takes the medians of :data:`MEASURE_STEPS` step intervals (reduction start to reduction
+    start) and reductions, then :meth:`judge` logs the :class:`StepVerdict` (kept in
+    ``verdict``). Inactive (it never reads a clock) without a link speed, on one rank, with a
+    hierarchy, or when nothing is compressed; a reduction done from backward hooks (overlapped,
+    the DDP hook) has no separate time, so that ends the check at DEBUG. Each rank judges its own
+    measurements and its own rows: nothing is communicated."""
+
+    def __init__(self, cfg: GradientCompressionConfig, tensors: Sequence[torch.Tensor], world_size: int,
+                 start: int, hierarchical: bool = False, calibration: Optional[Calibration] = None,
+                 steps_factor: float = STEPS_FACTOR):
+        self.cfg, self.world_size, self.calibration, self.steps_factor = cfg, world_size, calibration, steps_factor
+        self.tensors = list(tensors)
+        self.start = start + SETTLE_STEPS
+        self.active = (cfg.enabled and cfg.method != "none" and cfg.link_gbit_per_s > 0 and world_size > 1
+                       and not hierarchical and bool(self.tensors))
+        self.verdict: Optional[StepVerdict] = None
+        self.tables: list = []  # Table per row-sparse 2-D gradient, counted at the first measured step
+        self._dense_numel = sum(t.numel() for t in self.tensors)
+        self._t0: Optional[float] = None
+        self._prev = -1
+        self._steps: list = []
+        self._reductions: list = []
+
+    def _clock(self) -> float:
+        if self.tensors[0].is_cuda:  # kernels run asynchronously: time what they do, not their launch
+            torch.cuda.synchronize(self.tensors[0].device)
+        return time.perf_counter()
+
+    def _count_rows(self) -> None:
+        """The 2-D gradients as tables of their nonzero rows (before the clock starts: a pass over them)."""
+        self.tables, self._dense_numel = [], 0
+        for t in self.tensors:
+            g = t.grad
+            if t.dim() == 2 and g is not None:
+                k = int((g != 0).any(dim=1).sum())
+                self.tables.append(Table(t.shape[0], t.shape[1], k))
+            else:
+                self._dense_numel += t.numel()
+
+    def begin(self, step: int) -> None:
+        """A reduction of optimizer step ``step`` starts (the gradients of the step are complete)."""
+        if not self.active or step < self.start:
+            return
+        if self._t0 is None and not self._steps:
+            self._count_rows()
+        now = self._clock()
+        if self._t0 is not None and step == self._prev + 1:
+            self._steps.append(now - self._t0)
+        self._t0, self._prev = now, step
+
+    def end(self, compressed: bool, by_hooks: bool = False) -> None:
+        """The reduction that :meth:`begin` started has ended (``by_hooks``: it ran from backward hooks)."""
+        if not self.active:
+            return
+        if by_hooks:
+            self.active = False
+            log.debug("compression step check: the reduction runs from backward hooks (overlapped), so it has no "
+                      "time of its own; not judged")
+            return
+        if self._t0 is None:
+            return
+        if compressed:
+            self._reductions.append(self._clock() - self._t0)
+        if len(self._steps) >= MEASURE_STEPS and len(self._reductions) >= MEASURE_STEPS:
+            self.active = False
+            self.judge(statistics.median(self._steps), statistics.median(self._reductions))
+
+    def judge(self, step_s: float, compressed_s: float) -> StepVerdict:
+        """Log (WARNING when it does not pay) and keep the verdict on a ``step_s`` step of which
+        ``compressed_s`` the compressed reduction."""
+        cfg = self.cfg
+        link = Link.gbit(cfg.link_gbit_per_s, DEFAULT_LATENCY_S)
+        v = step_verdict(step_s, compressed_s, self._dense_numel, self.tables, self.world_size, link,
+                         steps_factor=self.steps_factor, calibration=self.calibration)
+        self.verdict = v
+        as_rows = v.exact.as_rows
+        rows = (f"; {len(as_rows)} table(s) as their {sum(t.nonzero_rows for t in as_rows):,} nonzero rows, "
+                f"counted on this rank" if as_rows else "")
+        numbers = (f"{cfg.method} step {1e3 * step_s:.4g} ms measured (reduction {1e3 * compressed_s:.4g} ms) vs "
+                   f"{1e3 * v.exact_step_s:.4g} ms predicted with the exact {v.exact.kind} "
+                   f"({1e3 * v.exact.total_s:.4g} ms at gradient_compression.link_gbit_per_s="
+                   f"{cfg.link_gbit_per_s:g}, {self.world_size} ranks{rows}): step speedup {v.step_speedup:.2f}x, "
+                   f"{v.speedup:.2f}x to the same accuracy with {v.steps_factor:g}x the steps")
+        if v.verdict == "does not pay":
+            todo = ("send the tables as rows: method 'none' with extreme_classification.topology.sparse_rows=true "
+                    "(under DDP: nn.Embedding(sparse=True))" if as_rows else "set method 'none' (dense)")
+            log.warning("gradient compression does not pay for the step: %s; %s (docs/compression.md, 'When "
+                        "compression pays').", numbers, todo)
+        else:
+            log.info("gradient compression %s for the step: %s", v.verdict, numbers)
+        return v
+

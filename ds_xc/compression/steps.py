@@ -75,6 +75,12 @@ class ReductionSteps:
         self._feedback(v, idx, vals)
         return idx, vals
 
+    def begin_reduction(self) -> dict:
+        """Start this step's reduction (after the backward): the counter snapshot for :meth:`close_step`, and
+        the step check's clock (ds_xc.compression.pays.StepCheck)."""
+        self.step_check.begin(self._step)
+        return self.counter.snapshot()
+
     def close_step(self, before: dict, exchange: Optional[tuple] = None, by_hooks: bool = False) -> None:
         """End this step's reduction: ``exchange`` is (sent, global_sent, comm) of a compressed exchange
         (None: the step was dense), ``before`` the counter snapshot taken at its start. ``by_hooks``:
@@ -87,6 +93,7 @@ class ReductionSteps:
         self._last.update(step=self._step, bytes_sent=self.counter.bytes_sent - before["bytes_sent"],
                           bytes_received=self.counter.bytes_received - before["bytes_received"])
         log.debug("compressed reduction step %d: %s", self._step, self._last)
+        self.step_check.end(exchange is not None, by_hooks)
         self._step += 1
         self._reduced_by_hooks = self._reduced_by_hooks or by_hooks
 
