@@ -139,7 +139,8 @@ class GradientCompressionConfig(Section):
         "step without the wrapped optimizer's first moment: a torch Adam/AdamW every reduced tensor with beta1 0, "
         "a torch SGD the compressed ones with momentum 0 (ds_xc/compression/momentum.py). Default (null): m = "
         "that optimizer's own beta1 or momentum (read every step), where the wrapper steps it on the tensors it "
-        "reduces, else 0; 0 = off. With another optimizer a number still sets m and its own momentum is the "
+        "reduces (or, an Adam/AdamW, on their master copies inside DeepSpeed's ZeRO-1 or bf16 wrapper), else 0; "
+        "0 = off. With another optimizer a number still sets m and its own momentum is the "
         "user's to turn off. Chosen on the glyphs CNN and the text task (docs/compression.md).")
     hierarchy: HierarchyConfig = Field(default_factory=HierarchyConfig, description="Node groups.")
     powersgd: PowerSGDConfig = Field(default_factory=PowerSGDConfig, description="method powersgd: rank and "
@@ -176,8 +177,8 @@ class GradientCompressionConfig(Section):
                                                or not self.error_feedback):
             raise ValueError(f"adam_variance='frozen' with warmup_steps={self.warmup_steps}, method={self.method!r}, "
                              f"error_feedback={self.error_feedback}: the variance is frozen after a dense warm-up, "
-                             "for the bursts of error feedback; allowed: warmup_steps null or >= 1, method topk, randomk or "
-                             "bayes_prior, error_feedback true (or adam_variance 'auto' / 'live')")
+                             "for the bursts of error feedback; allowed: warmup_steps null or >= 1, method topk, "
+                             "randomk or bayes_prior, error_feedback true (or adam_variance 'auto' / 'live')")
         if self.density_warmup_steps and self.density_warmup_start < self.density:
             raise ValueError(f"density_warmup_start={self.density_warmup_start} is below density={self.density}: "
                              "the warm-up starts above the density it falls to; allowed: density_warmup_start >= "

@@ -110,6 +110,41 @@ def test_bf16_compressed_replicas_stay_identical(pools):
     assert not torch.equal(res[0]["w"], _body().weight.detach())
 
 
+def _bf16_adamw_run(rank, world, steps, momentum):
+    """bf16 engine, AdamW, bayes_prior with momentum_correction ``momentum`` (None: auto): the betas the
+    inner torch AdamW (stepping DeepSpeed's fp32 master copies) sees at each step, and after."""
+    from ds_xc.compression import attach_to_engine
+    from ds_xc.engine import cpu_friendly_deepspeed
+    deepspeed = cpu_friendly_deepspeed()
+    body = _body()
+    engine, _, _, _ = deepspeed.initialize(model=body, optimizer=torch.optim.AdamW(body.parameters(), lr=0.01),
+                                           config=_ds_config(1, bf16=True))
+    comp = dict(COMP, adam_variance="live") if momentum is None else dict(COMP, momentum_correction=momentum)
+    opt = attach_to_engine(engine, comp)
+    inner = engine.optimizer.inner.optimizer  # DeepSpeed's bf16 wrapper -> its torch AdamW
+    seen = []
+    inner.register_step_pre_hook(lambda o, args, kwargs: seen.append([g["betas"] for g in o.param_groups]))
+    _engine_steps(engine, rank, 1, 0, steps, bf16=True)
+    return {"wrapper": type(engine.optimizer.inner).__name__, "inner": type(inner).__name__, "seen": seen,
+            "after": [g["betas"] for g in inner.param_groups], "velocity": opt.momentum_correction.owns,
+            "momentum_buffer": "momentum" in opt._buffers, "w": engine.module.weight.detach().float().clone()}
+
+
+@pytest.mark.parametrize("momentum", [None, 0.0])
+def test_bf16_master_copies_step_without_the_first_moment(pools, momentum):
+    """Under bf16 DeepSpeed's wrapper steps fp32 master copies of exactly the reduced tensors with its torch
+    AdamW: momentum correction (auto) moves beta1 into the wrapper's velocity, so that AdamW steps with beta1 = 0
+    at every compressed step and gets its groups back after; with momentum_correction 0 it keeps beta1."""
+    res = pools(2).run(_bf16_adamw_run, 3, momentum)
+    for r in res:
+        assert r["wrapper"] == "FP16_UnfusedOptimizer" and r["inner"] == "AdamW"  # DeepSpeed 0.19, bf16 at ZeRO 0
+        assert r["velocity"] is r["momentum_buffer"] is (momentum is None)
+        assert len(r["seen"]) == 3 and r["after"] == [(0.9, 0.999)] * len(r["after"])
+        beta1 = 0.0 if momentum is None else 0.9
+        assert all(betas == [(beta1, 0.999)] * len(betas) for betas in r["seen"])
+    assert torch.equal(res[0]["w"], res[1]["w"])
+
+
 def _refusal(rank, world, stage, clip, bf16):
     from ds_xc.config import ConfigError
     try:

@@ -67,17 +67,24 @@ def _run(rank, world, stage, comp, steps, clip=0.0):
     _steps(engine, rank, 0, steps)
     return {"params": _params(engine), "residual": opt._buffers["residual"].clone() if "residual" in opt._buffers
             else None, "steps": engine.global_steps, "compressed_steps": opt.stats()["compressed_steps"],
-            "allreduce": engine.enable_backward_allreduce, "zero": type(engine.optimizer).__name__}
+            "allreduce": engine.enable_backward_allreduce, "zero": type(engine.optimizer).__name__,
+            "velocity": opt.momentum_correction.owns}
 
 
-def _reference_topk(world, steps, density, min_numel, clip=0.0):
+def _reference_topk(world, steps, density, min_numel, clip=0.0, momentum=0.0):
     """float64, one process: each rank's local gradient (loss / GAS per micro-batch), v = e + g, the
     round(density n) largest |v| per tensor of >= min_numel elements, their mean over the ranks,
-    e = v - sent; the small tensors' dense mean; the mean clipped to norm ``clip`` (> 0); AdamW."""
+    e = v - sent; the small tensors' dense mean; the mean clipped to norm ``clip`` (> 0); AdamW.
+    ``momentum`` m > 0: DGC's momentum correction, u = m u + g and v = e + u, u zeroed where sent (the
+    small tensors: their g, as at density 1), and AdamW steps every tensor with beta1 = 0."""
     body = _body(torch.float64)
     params = list(body.parameters())
     opt = _adamw(params)
+    if momentum:
+        for group in opt.param_groups:
+            group["betas"] = (0.0, group["betas"][1])
     residual = [[torch.zeros_like(p) for p in params] for _ in range(world)]
+    velocity = [[torch.zeros_like(p) for p in params] for _ in range(world)]
     for step in range(steps):
         mean = [torch.zeros_like(p) for p in params]
         for rank in range(world):
@@ -89,12 +96,15 @@ def _reference_topk(world, steps, density, min_numel, clip=0.0):
                 if p.numel() < min_numel:
                     mean[i] += p.grad / world
                     continue
-                v = (residual[rank][i] + p.grad).reshape(-1)
+                u = velocity[rank][i].reshape(-1)
+                u.mul_(momentum).add_(p.grad.reshape(-1))
+                v = residual[rank][i].reshape(-1) + (u if momentum else p.grad.reshape(-1))
                 k = max(1, round(density * v.numel()))
                 idx = torch.topk(v.abs(), k).indices
                 sent = torch.zeros_like(v)
                 sent[idx] = v[idx]
                 residual[rank][i] = (v - sent).view_as(p)
+                u[idx] = 0.0
                 mean[i] += sent.view_as(p) / world
         for p, g in zip(params, mean):
             p.grad = g
@@ -104,14 +114,18 @@ def _reference_topk(world, steps, density, min_numel, clip=0.0):
     return [p.detach() for p in params], residual
 
 
-@pytest.mark.parametrize("world,clip", [(2, 0.0), (3, 0.0), (2, CLIP)])
-def test_zero1_topk_step_equals_the_float64_reference(pools, world, clip):
-    """gradient_clipping: ZeRO-1 clips the compressed mean (the global norm over the partitions)."""
+@pytest.mark.parametrize("world,clip,momentum", [(2, 0.0, 0.0), (3, 0.0, 0.0), (2, CLIP, 0.0), (2, 0.0, None),
+                                                 (3, CLIP, None)])
+def test_zero1_topk_step_equals_the_float64_reference(pools, world, clip, momentum):
+    """gradient_clipping: ZeRO-1 clips the compressed mean (the global norm over the partitions).
+    momentum None: momentum_correction at its default, AdamW's beta1 (0.9) moved into the velocity."""
     steps = 3
-    res = pools(world).run(_run, 1, TOPK, steps, clip)
-    expected, residual = _reference_topk(world, steps, TOPK["density"], TOPK["min_numel"], clip)
+    comp = dict(TOPK) if momentum is None else dict(TOPK, momentum_correction=momentum)
+    res = pools(world).run(_run, 1, comp, steps, clip)
+    m = 0.9 if momentum is None else momentum
+    expected, residual = _reference_topk(world, steps, TOPK["density"], TOPK["min_numel"], clip, m)
     for rank, r in enumerate(res):
-        assert r["zero"] == "DeepSpeedZeroOptimizer" and r["allreduce"] is False
+        assert r["zero"] == "DeepSpeedZeroOptimizer" and r["allreduce"] is False and r["velocity"] is (m > 0)
         assert r["steps"] == steps and r["compressed_steps"] == steps
         for got, want in zip(r["params"], expected):
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
@@ -120,24 +134,33 @@ def test_zero1_topk_step_equals_the_float64_reference(pools, world, clip):
     for r in res[1:]:  # replicas bit-identical after the all-gather of the partitions
         assert all(torch.equal(a, b) for a, b in zip(res[0]["params"], r["params"]))
     # the reference can fail: without compression (dense mean) the parameters differ
-    dense, _ = _reference_topk(world, steps, 1.0, TOPK["min_numel"], clip)
+    dense, _ = _reference_topk(world, steps, 1.0, TOPK["min_numel"], clip, m)
     assert max(float((a - b).abs().max()) for a, b in zip(dense, expected)) > 1e-3
+    if m:  # and the optimizer's own momentum instead of the velocity gives other parameters
+        plain, _ = _reference_topk(world, steps, TOPK["density"], TOPK["min_numel"], clip)
+        assert max(float((a - b).abs().max()) for a, b in zip(plain, expected)) > 1e-3
 
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("comp", [{"method": "bayes_prior", "density": 0.2, "min_numel": 64, "stats_sync_interval": 2,
                                    "adam_variance": "live", "select_by": "magnitude", "momentum_correction": 0.0},
-                                  # ZeRO-1 steps DeepSpeed's optimizer: a live variance, its own momentum, and its
-                                  # state is partitioned: ranked by |v|
+                                  # a live variance and ranked by |v| (ZeRO-1 partitions the Adam state); the
+                                  # optimizer's own momentum (momentum_correction 0)
                                   {"method": "randomk", "density": 0.3, "min_numel": 64, "value_dtype": "bfloat16",
                                    "adam_variance": "live", "momentum_correction": 0.0},
-                                  {"method": "powersgd", "powersgd": {"rank": 2}, "min_numel": 64}],
-                         ids=["bayes_prior", "randomk-bf16-values", "powersgd"])
+                                  {"method": "powersgd", "powersgd": {"rank": 2}, "min_numel": 64},
+                                  # momentum correction at its default (auto: AdamW's beta1): the velocity in the
+                                  # wrapper, ZeRO's inner AdamW steps the master partitions with beta1 = 0
+                                  {"method": "bayes_prior", "density": 0.2, "min_numel": 64, "stats_sync_interval": 2,
+                                   "adam_variance": "live", "select_by": "magnitude"}],
+                         ids=["bayes_prior", "randomk-bf16-values", "powersgd", "bayes_prior-momentum"])
 def test_zero1_follows_the_zero0_trajectory(pools, world, comp):
     zero0 = pools(world).run(_run, 0, comp, 3)
     zero1 = pools(world).run(_run, 1, comp, 3)
+    velocity = "momentum_correction" not in comp and comp["method"] != "powersgd"
     for a, b in zip(zero0, zero1):
         assert (a["zero"], b["zero"]) == ("CompressedOptimizer", "DeepSpeedZeroOptimizer")
+        assert a["velocity"] is b["velocity"] is velocity
         for x, y in zip(a["params"], b["params"]):
             torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(b["residual"], a["residual"], rtol=1e-4, atol=1e-6)
@@ -263,8 +286,7 @@ def _xc_config(stage):
             "gradient_clipping": 0.0, "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
             "gradient_compression": {"method": "bayes_prior", "density": 0.2, "min_numel": 64,
                                      "stats_sync_interval": 2, "adam_variance": "live",  # as ZeRO-1 (its step)
-                                     "select_by": "magnitude",  # as ZeRO-1 (its Adam state is partitioned)
-                                     "momentum_correction": 0.0},  # as ZeRO-1 (DeepSpeed's step keeps its momentum)
+                                     "select_by": "magnitude"},  # as ZeRO-1 (its Adam state is partitioned)
             "extreme_classification": {"num_classes": C, "embedding_dim": D, "sampler": {"type": "full"},
                                        "loss": {"type": "arcface", "scale": 8.0, "margin": 0.2}, "init_std": 0.5,
                                        "seed": SEED, "optimizer": {"type": "adamw", "lr": 0.05}}}

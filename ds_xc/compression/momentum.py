@@ -26,8 +26,15 @@ The default (null, "auto" below) takes m from the optimizer itself, Adam's beta1
 read at every step so that a schedule of it (OneCycleLR's) is followed; a number fixes m; 0 is off.
 Under the DDP hook the user's loop steps the optimizer, and :meth:`MomentumCorrection.hook_into` does
 the same through torch's optimizer step hooks. Off by construction: no error feedback, method none or
-powersgd, another optimizer class (DeepSpeed's bf16 or ZeRO wrappers, whose master copies are other
-tensors); a number then still sets m, and the wrapped optimizer's own momentum is the user's to turn off.
+powersgd, another optimizer class; a number then still sets m, and the wrapped optimizer's own momentum is
+the user's to turn off.
+
+DeepSpeed's ZeRO-1 and bf16 wrappers step fp32 master copies (flat partitions) with a torch optimizer
+inside them (``.optimizer``). Where that is an Adam/AdamW and the master copies are those of exactly the
+reduced tensors (their ``bit16_groups`` / ``bf16_groups`` / ``fp16_groups``), every tensor it steps is a
+reduced one, so "an Adam steps every reduced tensor with beta1 = 0" is its groups with beta1 = 0
+(:func:`master_optimizer`); ZeRO-1 then follows the ZeRO-0 trajectory (tests/test_compression_zero.py). An
+SGD there stays unsupported: the flat partitions mix compressed and dense tensors.
 """
 from __future__ import annotations
 
@@ -42,7 +49,23 @@ from ds_xc.config_base import COMPRESSION_SECTION
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MomentumCorrection", "owner_unsupported"]
+__all__ = ["MomentumCorrection", "owner_unsupported", "master_optimizer"]
+
+_MASTER_GROUPS = ("bit16_groups", "bf16_groups", "fp16_groups")  # ZeRO-1 / BF16_Optimizer / FP16_Optimizer
+
+
+def master_optimizer(optimizer, reduced: list):
+    """The torch Adam/AdamW inside a DeepSpeed wrapper (ZeRO-1, bf16) that steps the fp32 master copies of
+    exactly the ``reduced`` tensors; None when ``optimizer`` is no such wrapper (see the module docstring)."""
+    inner = getattr(optimizer, "optimizer", None)
+    if inner is None or not_torch_adam(inner) is not None:
+        return None
+    for name in _MASTER_GROUPS:
+        groups = getattr(optimizer, name, None)
+        if groups:
+            covered = {id(p) for group in groups for p in group}
+            return inner if covered == {id(p) for p in reduced} else None
+    return None
 
 
 def owner_unsupported(optimizer, params: list) -> Optional[str]:
@@ -79,14 +102,18 @@ class MomentumCorrection:
     """
 
     def __init__(self, setting, optimizer, compressed: list, reduced: list, usable: bool):
-        self.optimizer = optimizer
+        masters = master_optimizer(optimizer, reduced) if compressed else None  # ZeRO-1 / bf16: their Adam
+        self.optimizer = optimizer if masters is None else masters
+        self._masters = masters is not None  # every tensor it steps is a reduced one's master copy
         self._compressed = {id(p) for p in compressed}
         self._groups: list = []  # the optimizer's group dicts that hold compressed tensors (see _values)
         self._groups_of = None  # the param_groups list they were taken from
-        adam = not_torch_adam(optimizer) is None
-        self._ids = {id(p) for p in (reduced if adam else compressed)}  # stepped without the first moment
+        adam = not_torch_adam(self.optimizer) is None
+        self._ids = ({id(p) for g in masters.param_groups for p in g["params"]} if self._masters else
+                     {id(p) for p in (reduced if adam else compressed)})  # stepped without the first moment
         self._swapped = False  # the optimizer's param_groups are the split ones right now
-        why = owner_unsupported(optimizer, reduced) if compressed else "no compressed tensor"
+        why = (None if self._masters else owner_unsupported(optimizer, reduced)) if compressed else \
+            "no compressed tensor"
         self._fixed: Optional[float] = None if setting is None else float(setting)
         self.enabled = self._resolve(usable, why)
         self.owns = self.enabled and why is None  # steps them without the optimizer's momentum
@@ -95,10 +122,12 @@ class MomentumCorrection:
         if self._fixed is not None and why is not None:
             log.info("CompressedOptimizer: momentum_correction %g; the wrapped optimizer's own momentum is left as "
                      "it is (%s): set it to 0, or it applies twice", self._fixed, why)
-        log.info("CompressedOptimizer: momentum_correction %s, the reduced tensors stepped %s",
+        log.info("CompressedOptimizer: momentum_correction %s, the reduced tensors stepped %s%s",
                  "auto (the optimizer's own momentum)" if self._fixed is None else f"{self._fixed:g}",
                  "without the optimizer's first moment after a compressed reduction" if self.owns
-                 else "by the optimizer as it is")
+                 else "by the optimizer as it is",
+                 f" (their master copies, by the {type(self.optimizer).__name__} inside "
+                 f"{type(optimizer).__name__})" if self._masters else "")
 
     def _resolve(self, usable: bool, why: Optional[str]) -> bool:
         """Whether the velocity is on: a number > 0, or auto where the optimizer has one momentum > 0."""
@@ -125,7 +154,7 @@ class MomentumCorrection:
         list (torch's load_state_dict installs a new one), not per call: this runs on every bucket."""
         groups = self.optimizer.param_groups
         if groups is not self._groups_of and not self._swapped:
-            self._groups = [g for g in groups if any(id(p) in self._compressed for p in g["params"])]
+            self._groups = [g for g in groups if self._masters or any(id(p) in self._compressed for p in g["params"])]
             self._groups_of = groups
         return {_first_moment(self.optimizer, g) for g in self._groups}
 
