@@ -27,15 +27,18 @@ def _inner(kind, params, dtype_groups=None):
     groups = dtype_groups if dtype_groups is not None else [{"params": list(params)}]
     if kind == "adamw":
         return torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.99), weight_decay=0.01)
+    if kind == "cpu_adam":  # DeepSpeed's C++ Adam (AdamW mode), the same update as torch's AdamW
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        return DeepSpeedCPUAdam(groups, lr=LR, betas=(0.9, 0.99), weight_decay=0.01, adamw_mode=True)
     return torch.optim.SGD(groups, lr=LR * 5, momentum=0.9, weight_decay=0.01)
 
 
 def _first(kind, group):
-    return group["betas"][0] if kind == "adamw" else group["momentum"]
+    return group["momentum"] if kind == "sgd" else group["betas"][0]
 
 
 def _set_first(kind, group, value):
-    if kind == "adamw":
+    if kind != "sgd":
         group["betas"] = (value, group["betas"][1])
     else:
         group["momentum"] = value
@@ -119,6 +122,46 @@ def test_default_velocity_equals_the_float64_reference(pools, world, kind):
         results = pools(world).run(_run, kind, {}, steps)
     expected, velocities = _reference(world, kind, steps)
     _check(results, expected, velocities, first=0.9)  # the user's setting is left as it was
+
+
+def _cpu_adam_builds() -> bool:
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+    return CPUAdamBuilder().is_compatible(verbose=False)
+
+
+def test_deepspeed_adams_take_the_default(pools):
+    """DeepSpeed's Adams read each group's betas at every step (FusedAdam on GPUs, DeepSpeedCPUAdam here):
+    the default moves beta1 into the velocity for them too, and DeepSpeedCPUAdam's run equals the float64
+    reference of torch's AdamW (2 ranks)."""
+    if not _cpu_adam_builds():
+        pytest.skip("DeepSpeed's CPU Adam op cannot be built here")
+    results = pools(2).run(_run, "cpu_adam", {}, 6)
+    expected, velocities = _reference(2, "adamw", 6)
+    _check(results, expected, velocities, first=0.9)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="DeepSpeed's FusedAdam needs CUDA")
+def test_fused_adam_takes_the_default_on_a_gpu():
+    """DeepSpeed's default Adam on GPUs: the wrapper owns its first moment and the run equals the same run
+    with torch's AdamW (one rank, CUDA)."""
+    from deepspeed.ops.adam import FusedAdam
+    runs = {}
+    for name in ("torch", "fused"):
+        body = _body().cuda()
+        inner = (torch.optim.AdamW if name == "torch" else FusedAdam)(body.parameters(), lr=LR, betas=(0.9, 0.99),
+                                                                     weight_decay=0.01)
+        opt = CompressedOptimizer(inner, TOPK)
+        seen = []
+        inner.register_step_pre_hook(lambda o, a, k: seen.append({g["betas"] for g in o.param_groups}))
+        for step in range(6):
+            x, t = _batch(step, 0)
+            opt.zero_grad()
+            (body(x.cuda()) - t.cuda()).pow(2).mean().backward()
+            opt.step()
+        assert opt.momentum_correction.owns and seen == [{(0.0, 0.99)}] * 6
+        runs[name] = [p.detach().cpu() for p in body.parameters()]
+    for a, b in zip(runs["torch"], runs["fused"]):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("world", [2, 3])

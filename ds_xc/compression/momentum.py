@@ -13,7 +13,8 @@ density 1: its velocity is sent whole and zeroed every step, i.e. it has no mome
 
 :class:`MomentumCorrection` resolves the factor m and, where it can, takes the first moment out of the
 wrapped optimizer's step at the steps whose reduction was compressed
-(:meth:`MomentumCorrection.first_moment_off`): a torch ``Adam``/``AdamW`` steps every tensor the wrapper
+(:meth:`MomentumCorrection.first_moment_off`): an Adam (torch's ``Adam``/``AdamW``, DeepSpeed's
+``FusedAdam``, its default on GPUs, and ``DeepSpeedCPUAdam``: :func:`is_adam`) steps every tensor the wrapper
 reduces with beta1 = 0, a torch ``SGD`` steps the compressed tensors with momentum 0. Why the two differ:
 Adam's first moment is an average, so without it a dense tensor's steps keep their size, and on the
 glyphs CNN (four seeds, docs/compression.md) leaving the small dense tensors (BatchNorm, biases) their
@@ -30,7 +31,7 @@ powersgd, another optimizer class; a number then still sets m, and the wrapped o
 the user's to turn off.
 
 DeepSpeed's ZeRO-1 and bf16 wrappers step fp32 master copies (flat partitions) with a torch optimizer
-inside them (``.optimizer``). Where that is an Adam/AdamW and the master copies are those of exactly the
+inside them (``.optimizer``). Where that is an Adam (:func:`is_adam`) and the master copies are those of exactly the
 reduced tensors (their ``bit16_groups`` / ``bf16_groups`` / ``fp16_groups``), every tensor it steps is a
 reduced one, so "an Adam steps every reduced tensor with beta1 = 0" is its groups with beta1 = 0
 (:func:`master_optimizer`); ZeRO-1 then follows the ZeRO-0 trajectory (tests/test_compression_zero.py). An
@@ -49,16 +50,28 @@ from ds_xc.config_base import COMPRESSION_SECTION
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MomentumCorrection", "owner_unsupported", "master_optimizer"]
+__all__ = ["MomentumCorrection", "owner_unsupported", "master_optimizer", "is_adam"]
 
 _MASTER_GROUPS = ("bit16_groups", "bf16_groups", "fp16_groups")  # ZeRO-1 / BF16_Optimizer / FP16_Optimizer
+_DEEPSPEED_ADAMS = ("FusedAdam", "DeepSpeedCPUAdam")  # deepspeed.ops.adam: read each group's betas every step
+
+
+def is_adam(optimizer) -> bool:
+    """Whether ``optimizer`` is an Adam whose first moment is each group's ``betas[0]``, read at every step:
+    torch's Adam/AdamW, or DeepSpeed's FusedAdam (its default Adam on GPUs) and DeepSpeedCPUAdam."""
+    if not_torch_adam(optimizer) is None:
+        return True
+    if not type(optimizer).__module__.startswith("deepspeed.ops.adam"):
+        return False
+    from deepspeed.ops import adam as ds_adam  # only for an optimizer of that module: it is imported already
+    return isinstance(optimizer, tuple(getattr(ds_adam, name) for name in _DEEPSPEED_ADAMS))
 
 
 def master_optimizer(optimizer, reduced: list):
-    """The torch Adam/AdamW inside a DeepSpeed wrapper (ZeRO-1, bf16) that steps the fp32 master copies of
-    exactly the ``reduced`` tensors; None when ``optimizer`` is no such wrapper (see the module docstring)."""
+    """The Adam (:func:`is_adam`) inside a DeepSpeed wrapper (ZeRO-1, bf16) that steps the fp32 master copies
+    of exactly the ``reduced`` tensors; None when ``optimizer`` is no such wrapper (see the module docstring)."""
     inner = getattr(optimizer, "optimizer", None)
-    if inner is None or not_torch_adam(inner) is not None:
+    if inner is None or not is_adam(inner):
         return None
     for name in _MASTER_GROUPS:
         groups = getattr(optimizer, name, None)
@@ -75,8 +88,9 @@ def owner_unsupported(optimizer, params: list) -> Optional[str]:
             if g.get("nesterov") or g.get("dampening", 0.0):
                 return (f"the wrapped SGD has nesterov={g.get('nesterov')} dampening={g.get('dampening')} (its "
                         "momentum is not DGC's u = m u + g)")
-    elif not_torch_adam(optimizer) is not None:
-        return f"the wrapped optimizer is {type(optimizer).__name__}, not torch.optim.Adam, AdamW or SGD"
+    elif not is_adam(optimizer):
+        return (f"the wrapped optimizer is {type(optimizer).__name__}, not torch.optim.Adam, AdamW or SGD, nor "
+                f"DeepSpeed's {' or '.join(_DEEPSPEED_ADAMS)}")
     return steps_other_tensors(optimizer, params)
 
 
@@ -108,7 +122,7 @@ class MomentumCorrection:
         self._compressed = {id(p) for p in compressed}
         self._groups: list = []  # the optimizer's group dicts that hold compressed tensors (see _values)
         self._groups_of = None  # the param_groups list they were taken from
-        adam = not_torch_adam(self.optimizer) is None
+        adam = is_adam(self.optimizer)
         self._ids = ({id(p) for g in masters.param_groups for p in g["params"]} if self._masters else
                      {id(p) for p in (reduced if adam else compressed)})  # stepped without the first moment
         self._swapped = False  # the optimizer's param_groups are the split ones right now
