@@ -75,9 +75,8 @@ class DistPool:
         close_all([self], force=force)
 
     def threads(self) -> int:
-        """The most OS threads any live worker has (0 where /proc cannot tell). Every process group a
-        test creates adds gloo threads to each rank that stay until the pool ends, and their event
-        loops wake up even when idle: a pool that served many tests keeps the cores busy."""
+        """The most OS threads any live worker has (0 where /proc cannot tell): why that number grows and
+        what it costs is told at tests/conftest.py's POOL_THREAD_LIMIT."""
         most = 0
         for p in self.procs:
             try:
