@@ -123,8 +123,7 @@ class MomentumCorrection:
         self._groups: list = []  # the optimizer's group dicts that hold compressed tensors (see _values)
         self._groups_of = None  # the param_groups list they were taken from
         adam = is_adam(self.optimizer)
-        self._ids = ({id(p) for g in masters.param_groups for p in g["params"]} if self._masters else
-                     {id(p) for p in (reduced if adam else compressed)})  # stepped without the first moment
+        self._ids = {id(p) for p in (reduced if adam else compressed)}  # stepped without the first moment
         self._swapped = False  # the optimizer's param_groups are the split ones right now
         why = (None if self._masters else owner_unsupported(optimizer, reduced)) if compressed else \
             "no compressed tensor"
@@ -222,8 +221,8 @@ class MomentumCorrection:
         opt, original = self.optimizer, self.optimizer.param_groups
         split = []
         for g in original:
-            rest = [p for p in g["params"] if id(p) not in self._ids]
-            mine = [p for p in g["params"] if id(p) in self._ids]
+            mine = g["params"] if self._masters else [p for p in g["params"] if id(p) in self._ids]  # masters: all
+            rest = [] if self._masters else [p for p in g["params"] if id(p) not in self._ids]
             if rest:
                 split.append(dict(g, params=rest))
             if mine:

@@ -208,4 +208,3 @@ class StepCheck:
         else:
             log.info("gradient compression %s for the step: %s", v.verdict, numbers)
         return v
-
