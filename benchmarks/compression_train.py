@@ -99,7 +99,7 @@ def main(argv=None) -> dict:
             section.setdefault("seed", args.seed)
         comp = attach_to_engine(xc.engine, section)
     micro, gas = xc.engine.train_micro_batch_size_per_gpu(), xc.engine.gradient_accumulation_steps()
-    cast = torch.bfloat16 if xc.engine.bfloat16_enabled() and data.input_kind == "dense" else None
+    cast = torch.bfloat16 if xc.engine.bfloat16_enabled() and data.input_kind in ("dense", "image") else None
 
     def evaluate() -> dict:
         xc.eval()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from ds_xc.data.base import XCDataset
 
@@ -65,11 +66,37 @@ class TokenBackbone(nn.Module):
         return self.mlp(h_BKH.flatten(1))
 
 
+class _StatsDtypeNorm:
+    """A BatchNorm that computes in its running statistics' dtype. DeepSpeed's bf16 casts a module's
+    parameters but keeps its buffers in float32, and batch_norm wants input, weight and statistics in one
+    dtype (the CPU kernel refuses the mix): the input and the affine parameters are cast to the statistics'
+    dtype and the output back to the input's. Otherwise it is nn.BatchNorm (momentum 0.1, running stats)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = self.running_mean.dtype
+        if x.dtype == dtype and self.weight.dtype == dtype:
+            return super().forward(x)
+        self._check_input_dim(x)
+        if self.training:
+            self.num_batches_tracked.add_(1)
+        out = F.batch_norm(x.to(dtype), self.running_mean, self.running_var, self.weight.to(dtype),
+                           self.bias.to(dtype), self.training, self.momentum, self.eps)
+        return out.to(x.dtype)
+
+
+class BatchNorm1d(_StatsDtypeNorm, nn.BatchNorm1d):
+    """nn.BatchNorm1d that also runs with bf16 parameters and float32 statistics (see _StatsDtypeNorm)."""
+
+
+class BatchNorm2d(_StatsDtypeNorm, nn.BatchNorm2d):
+    """nn.BatchNorm2d that also runs with bf16 parameters and float32 statistics (see _StatsDtypeNorm)."""
+
+
 def _conv_block(cin: int, cout: int) -> nn.Sequential:
     """Two 3x3 conv + BatchNorm + ReLU, then a 2x2 max-pool: (B, cin, H, W) -> (B, cout, H/2, W/2)."""
     return nn.Sequential(
-        nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True),
-        nn.Conv2d(cout, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True),
+        nn.Conv2d(cin, cout, 3, padding=1, bias=False), BatchNorm2d(cout), nn.ReLU(inplace=True),
+        nn.Conv2d(cout, cout, 3, padding=1, bias=False), BatchNorm2d(cout), nn.ReLU(inplace=True),
         nn.MaxPool2d(2),
     )
 
@@ -81,7 +108,8 @@ class ImageBackbone(nn.Module):
     image three times; then BatchNorm, flatten, dropout-free linear to the embedding and
     a final BatchNorm1d (the "BN-FC-BN" output of ArcFace's backbones).
 
-    (B, C, H, W) float -> (B, 4w, H/8, W/8) -> (B, embedding_dim)
+    (B, C, H, W) float -> (B, 4w, H/8, W/8) -> (B, embedding_dim), in the dtype of the weights (the
+    images are cast to it: float32, or bfloat16 when DeepSpeed's bf16 has cast the module)
     """
 
     def __init__(self, input_shape: tuple, embedding_dim: int, hidden_dim: int = 256) -> None:
@@ -91,16 +119,16 @@ class ImageBackbone(nn.Module):
             raise ValueError(f"input_shape={tuple(input_shape)} is invalid: height and width must be multiples of 8")
         w = max(8, hidden_dim // 16)
         self.features = nn.Sequential(_conv_block(channels, w), _conv_block(w, 2 * w), _conv_block(2 * w, 4 * w),
-                                      nn.BatchNorm2d(4 * w))
+                                      BatchNorm2d(4 * w))
         self.fc = nn.Linear(4 * w * (height // 8) * (width // 8), embedding_dim)
-        self.bn = nn.BatchNorm1d(embedding_dim)
+        self.bn = BatchNorm1d(embedding_dim)
         self.input_shape = tuple(input_shape)
 
     def forward(self, x_BCHW: Tensor) -> Tensor:
         if tuple(x_BCHW.shape[1:]) != self.input_shape:
             raise ValueError(f"image batch shape {tuple(x_BCHW.shape)} is invalid: expected (B, "
                              f"{', '.join(map(str, self.input_shape))})")
-        h = self.features(x_BCHW.float())  # (B, 4w, H/8, W/8)
+        h = self.features(x_BCHW.to(self.fc.weight.dtype))  # (B, 4w, H/8, W/8); bf16 under DeepSpeed's bf16
         return self.bn(self.fc(h.flatten(1)))
 
 

@@ -2,6 +2,8 @@
 backbone, and TAR at FAR against exhaustive float64 references."""
 import itertools
 
+import copy
+
 import pytest
 import torch
 
@@ -93,6 +95,37 @@ def test_image_backbone_shapes():
     assert net(torch.randn(5, 1, 16, 16)).shape == (5, 24)
     with pytest.raises(ValueError, match=r"expected \(B, 1, 16, 16\)"):
         net(torch.randn(5, 1, 8, 8))
+
+
+@pytest.mark.parametrize("buffers", ["float32", "bfloat16"])
+def test_image_backbone_runs_in_bf16_like_float32(buffers):
+    """DeepSpeed 0.19's bf16 casts the parameters and keeps the buffers (BatchNorm's running statistics) in
+    float32 (``buffers`` bfloat16: a plain module.bfloat16()); launch/train.py then feeds bf16 images (float32
+    ones work too). Training and eval mode follow the float32 network within bf16's rounding, and the running
+    statistics move as float32's."""
+    torch.manual_seed(0)
+    net = build_backbone(type("D", (), {"input_kind": "image", "input_shape": (1, 16, 16)})(), 24, hidden_dim=128)
+    x = torch.rand(32, 1, 16, 16)
+    half = copy.deepcopy(net)
+    for p in half.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    if buffers == "bfloat16":
+        half = half.to(torch.bfloat16)
+
+    @torch.no_grad()
+    def close(out, ref):  # bf16 rounding through 7 layers and 7 normalisations: a few percent
+        assert out.dtype == torch.bfloat16
+        assert float((out.float() - ref).norm() / ref.norm()) < 0.05
+
+    close(half.train()(x.to(torch.bfloat16)), net.train()(x))  # one training forward each
+    for a, b in ((a, b) for a, b in zip(net.modules(), half.modules()) if isinstance(a, torch.nn.BatchNorm2d)):
+        assert b.running_mean.dtype == getattr(torch, buffers) and float(a.running_mean.abs().max()) > 0  # moved
+        assert int(b.num_batches_tracked) == int(a.num_batches_tracked) == 1
+        torch.testing.assert_close(b.running_mean.float(), a.running_mean, rtol=0.05, atol=0.01)
+        torch.testing.assert_close(b.running_var.float(), a.running_var, rtol=0.05, atol=0.01)
+    ref = net.eval()(x)
+    for inp in (x.to(torch.bfloat16), x):
+        close(half.eval()(inp), ref)
 
 
 def test_tar_at_far_matches_a_plain_reference():
