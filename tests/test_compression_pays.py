@@ -5,6 +5,7 @@ the link is unknown), the config field's errors name it, and the table in docs/c
 the one the benchmark command prints."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -173,8 +174,10 @@ def test_optimizer_logs_debug_only_when_the_link_is_unknown(caplog):
     assert _records(caplog) == []
 
 
-def _rank_run(rank, world, section, n):
-    """One reduction on every rank: this rank's counted bytes and the pays logger's records."""
+@contextlib.contextmanager
+def pays_records():
+    """(level, message) of every record of the ds_xc.compression.pays logger within the block, DEBUG and up
+    (a spawned rank has no caplog)."""
     records = []
 
     class Keep(logging.Handler):
@@ -186,11 +189,17 @@ def _rank_run(rank, world, section, n):
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)
     try:
-        p = torch.nn.Parameter(torch.zeros(n))
-        opt = CompressedOptimizer(torch.optim.SGD([p], lr=0.1), section)
+        yield records
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old)
+
+
+def _rank_run(rank, world, section, n):
+    """One reduction on every rank: this rank's counted bytes and the pays logger's records."""
+    with pays_records() as records:
+        p = torch.nn.Parameter(torch.zeros(n))
+        opt = CompressedOptimizer(torch.optim.SGD([p], lr=0.1), section)
     g = torch.Generator().manual_seed(rank)
     p.grad = torch.randn(n, generator=g)
     opt.reduce_gradients()

@@ -18,6 +18,8 @@ from ds_xc.cost.comm import Link
 from ds_xc.cost.compression import Calibration
 from ds_xc.cost.compression_step import STEPS_FACTOR, Table, exact_reduction, step_verdict
 
+from tests.test_compression_pays import _records, pays_records  # the pays logger's records (caplog, a rank)
+
 ALPHA = 50e-6
 CAL = Calibration(dense_ns=5.0)
 
@@ -98,11 +100,6 @@ def _tensors():
     return [emb, lin, bias]
 
 
-def _records(caplog, level=logging.DEBUG):
-    return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "ds_xc.compression.pays"
-            and r.levelno >= level]
-
-
 @pytest.mark.parametrize("gbit, word", [(100.0, "does not pay"), (1e-4, "pays")])
 def test_check_times_the_steps_after_the_warmups_and_logs_once(caplog, gbit, word):
     cfg = parse_compression({"method": "bayes_prior", "link_gbit_per_s": gbit})
@@ -152,17 +149,7 @@ def test_check_is_off_where_it_cannot_judge(caplog):
 def _rank_steps(rank, world, gbit, steps):
     """An embedding bag model's compressed steps on every rank: the verdict, its tables, the pays records,
     and the nonzero rows of this rank's first measured gradient."""
-    records = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            records.append((record.levelno, record.getMessage()))
-
-    logger = logging.getLogger("ds_xc.compression.pays")
-    handler, old = Keep(level=logging.DEBUG), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    try:
+    with pays_records() as records:
         torch.manual_seed(0)
         emb, head = torch.nn.EmbeddingBag(4001, 32, mode="sum"), torch.nn.Linear(32, 10)
         params = list(emb.parameters()) + list(head.parameters())
@@ -178,9 +165,6 @@ def _rank_steps(rank, world, gbit, steps):
             if step == opt.step_check.start:
                 looked_up = int((emb.weight.grad != 0).any(dim=1).sum())
             opt.step()
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old)
     v = opt.step_check.verdict
     return (None if v is None else v.verdict), opt.step_check.tables, records, looked_up
 
