@@ -145,6 +145,38 @@ def test_bf16_master_copies_step_without_the_first_moment(pools, momentum):
     assert torch.equal(res[0]["w"], res[1]["w"])
 
 
+def _bf16_score_run(rank, world, steps, select_by):
+    """bf16 engine, AdamW, top-k ranked by ``select_by``: the scorer, and its score of a fixed v against the
+    float64 formula on the inner AdamW's state of the weight's float32 master."""
+    from ds_xc.compression import attach_to_engine
+    from ds_xc.compression.score import FLOOR
+    from ds_xc.engine import cpu_friendly_deepspeed
+    deepspeed = cpu_friendly_deepspeed()
+    body = _body()
+    engine, _, _, _ = deepspeed.initialize(model=body, optimizer=torch.optim.AdamW(body.parameters(), lr=0.01),
+                                           config=_ds_config(1, bf16=True))
+    opt = attach_to_engine(engine, {"method": "topk", "density": 0.3, "min_numel": 16, "select_by": select_by})
+    _engine_steps(engine, rank, 1, 0, steps, bf16=True)
+    wrapper = engine.optimizer.inner
+    inner, master = wrapper.optimizer, wrapper.fp32_groups[0][0]  # the weight's float32 master
+    st = inner.state[master]
+    v = torch.randn(body.weight.numel(), generator=torch.Generator().manual_seed(7))
+    got = opt._update_score(v, torch.zeros_like(v), 0, v.numel())
+    vhat = st["exp_avg_sq"].double().reshape(-1) / (1.0 - 0.999 ** float(st["step"]))
+    want = v.double() / vhat.clamp(min=FLOOR * float(vhat.mean())).sqrt()
+    return {"scorer_on": opt._update_score.optimizer is inner, "got": got, "want": want,
+            "steps": float(st["step"])}
+
+
+@pytest.mark.parametrize("select_by", ["update", "auto"])
+def test_bf16_ranks_by_the_masters_adam_state(pools, select_by):
+    """Under bf16 (DeepSpeed 0.19 at ZeRO 0: a float32 master per parameter) the update score reads the inner
+    AdamW's state of each weight's master; an explicit 'update' is no longer refused."""
+    for r in pools(2).run(_bf16_score_run, 3, select_by):
+        assert r["scorer_on"] and r["steps"] >= 3  # + the wrapper's zero-gradient step at start
+        torch.testing.assert_close(r["got"].double(), r["want"], rtol=1e-5, atol=0.0)
+
+
 def _refusal(rank, world, stage, clip, bf16):
     from ds_xc.config import ConfigError
     try:

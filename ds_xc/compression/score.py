@@ -30,7 +30,7 @@ from ds_xc_ops.score import update_score
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FLOOR", "update_score_unsupported", "UpdateScore", "build_update_score"]
+__all__ = ["FLOOR", "update_score_unsupported", "per_param_masters", "UpdateScore", "build_update_score"]
 
 FLOOR = 1e-4  # v-hat floor, relative to the tensor's mean v-hat
 
@@ -40,11 +40,31 @@ def update_score_unsupported(optimizer, params: list) -> Optional[str]:
     return not_torch_adam(optimizer) or steps_other_tensors(optimizer, params)
 
 
+def per_param_masters(optimizer, params: list) -> Optional[tuple]:
+    """(the torch Adam/AdamW, {id(param): its float32 master}) when ``optimizer`` is a DeepSpeed wrapper with
+    one master tensor per parameter (``fp16_groups`` and ``fp32_groups`` in step: DeepSpeed 0.19's bf16 at
+    ZeRO 0, FP16_UnfusedOptimizer) whose inner torch Adam steps the masters of all ``params``; else None (flat
+    masters, ZeRO partitions, another optimizer). The masters' Adam state is then the one to rank by."""
+    inner = getattr(optimizer, "optimizer", None)
+    low, high = getattr(optimizer, "fp16_groups", None), getattr(optimizer, "fp32_groups", None)
+    if inner is None or not_torch_adam(inner) is not None or not low or not isinstance(high, list):
+        return None
+    pairs = {}
+    for lg, hg in zip(low, high):
+        if not isinstance(hg, list) or len(lg) != len(hg):
+            return None
+        pairs.update((id(a), b) for a, b in zip(lg, hg) if a.shape == b.shape)
+    if any(id(p) not in pairs for p in params) or steps_other_tensors(inner, [pairs[id(p)] for p in params]):
+        return None
+    return inner, pairs
+
+
 class UpdateScore:
     """s = v / sqrt(max(v-hat, floor)) per compressed parameter, over any positions of the region."""
 
-    def __init__(self, optimizer, params: list, layout):
+    def __init__(self, optimizer, params: list, layout, masters: Optional[dict] = None):
         self.optimizer = optimizer
+        self._masters = masters or {}  # id(param) -> the tensor the optimizer steps for it (per_param_masters)
         self._group: dict = {}  # id(param) -> its group dict (the optimizer's own: a change of betas is followed)
         self._group_of = None  # the param_groups list the map was taken from (see beta2)
         lo, hi = layout.region
@@ -63,7 +83,7 @@ class UpdateScore:
         if groups is not self._group_of:
             self._group = {id(q): g for g in groups for q in g["params"]}
             self._group_of = groups
-        return float(self._group[id(p)]["betas"][1])
+        return float(self._group[id(self._masters.get(id(p), p))]["betas"][1])
 
     @torch.no_grad()
     def __call__(self, v: torch.Tensor, out: torch.Tensor, a: int, b: int) -> torch.Tensor:
@@ -72,7 +92,7 @@ class UpdateScore:
             lo, hi = max(start, a), min(end, b)
             if lo >= hi:
                 continue
-            st = self.optimizer.state.get(p, {})
+            st = self.optimizer.state.get(self._masters.get(id(p), p), {})
             steps = float(st.get("step", 0))
             if "exp_avg_sq" not in st or steps == 0:  # no second moment yet: rank by |v|
                 out[lo:hi].copy_(v[lo:hi])
@@ -91,15 +111,23 @@ def build_update_score(config, optimizer, params: list, layout) -> Optional[Upda
     """The score ``select_by`` asks for: an :class:`UpdateScore`, or None to rank by |v|.
 
     ``auto``: update where it can be (an element-selecting method that reads magnitudes, topk or
-    bayes_prior, and a wrapped torch Adam/AdamW stepping the reduced tensors themselves), else
-    magnitude. ``update`` where it cannot be raises a ConfigError naming the reason."""
+    bayes_prior, and a wrapped torch Adam/AdamW stepping the reduced tensors themselves, or their
+    per-parameter masters: :func:`per_param_masters`), else magnitude. ``update`` where it cannot be raises
+    a ConfigError naming the reason."""
     if config.select_by == "magnitude" or config.method not in ("topk", "bayes_prior"):
         return None
-    why = update_score_unsupported(optimizer, [params[i] for i in layout.sparse])
+    compressed = [params[i] for i in layout.sparse]
+    masters = per_param_masters(optimizer, compressed)  # DeepSpeed's bf16 at ZeRO 0: rank by the masters' state
+    why = None if masters is not None else update_score_unsupported(optimizer, compressed)
     if why is not None:
         if config.select_by == "update":
             raise ConfigError(f"{COMPRESSION_SECTION}.select_by='update': {why}; allowed: 'update' with a "
-                              "torch.optim.Adam or AdamW that steps the reduced parameters, else 'auto' or 'magnitude'")
+                              "torch.optim.Adam or AdamW that steps the reduced parameters (or their per-parameter "
+                              "masters inside DeepSpeed's bf16 wrapper), else 'auto' or 'magnitude'")
         log.info("CompressedOptimizer: select_by auto -> magnitude (%s)", why)
         return None
+    if masters is not None:
+        log.info("CompressedOptimizer: select_by %s, by the Adam state of the float32 masters inside %s",
+                 config.select_by, type(optimizer).__name__)
+        return UpdateScore(masters[0], params, layout, masters=masters[1])
     return UpdateScore(optimizer, params, layout)
