@@ -160,7 +160,7 @@ class StepCheck:
         """A reduction of optimizer step ``step`` starts (the gradients of the step are complete)."""
         if not self.active or step < self.start:
             return
-        if self._t0 is None and not self._steps:
+        if self._t0 is None:  # the first measured step
             self._count_rows()
         now = self._clock()
         if self._t0 is not None and step == self._prev + 1:

@@ -36,13 +36,12 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from ds_xc.cost.comm import Link
-from ds_xc.cost.compression import BREAK_EVEN, DEFAULT_CALIBRATION, PAYS_AT, Calibration
+from ds_xc.cost.compression import BREAK_EVEN, DEFAULT_CALIBRATION, PAYS_AT, Calibration, reduction_time
+from ds_xc.parallel.sparse_rows import INDEX_BYTES, rows_bytes, rows_pay
 
-__all__ = ["STEPS_FACTOR", "ROW_INDEX_BYTES", "Table", "ExactReduction", "StepVerdict", "exact_reduction",
-           "step_verdict"]
+__all__ = ["STEPS_FACTOR", "Table", "ExactReduction", "StepVerdict", "exact_reduction", "step_verdict"]
 
 STEPS_FACTOR = 1.17  # extra steps to the exact run's accuracy, the fewest measured (module docstring)
-ROW_INDEX_BYTES = 8  # an int64 row index (ds_xc.parallel.sparse_rows.INDEX_BYTES)
 _VALUE_BYTES = 4  # fp32 gradients
 
 
@@ -77,38 +76,32 @@ class ExactReduction:
         return "embedding rows and dense all-reduce" if self.as_rows else "dense all-reduce"
 
 
-def _ring(nbytes: float, p: int, link: Link) -> tuple[float, float]:
-    """(seconds, bytes sent per rank) of a ring all-reduce of ``nbytes``."""
-    steps = 2 * (p - 1)
-    return steps * (link.latency_s + nbytes / p * 8.0 / link.bandwidth_bps), steps * nbytes / p
-
-
 def exact_reduction(dense_numel: int, tables: Sequence[Table], world_size: int, link: Link,
                     calibration: Optional[Calibration] = None) -> ExactReduction:
     """The exact mean of ``dense_numel`` elements sent dense and of ``tables``, each as rows where
-    that moves fewer bytes than its ring (module docstring). One rank: nothing to reduce."""
+    that moves fewer bytes than its ring (``rows_pay``, module docstring). One rank: nothing to reduce."""
     if not isinstance(dense_numel, int) or dense_numel < 0:
         raise ValueError(f"dense_numel: got {dense_numel!r}; must be an int >= 0")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size: got {world_size!r}; must be an int >= 1")
-    p, c = world_size, (DEFAULT_CALIBRATION if calibration is None else calibration).dense_ns * 1e-9
+    p, cal = world_size, DEFAULT_CALIBRATION if calibration is None else calibration
     if p == 1:
         return ExactReduction(0.0, 0.0, 0.0)
     dense = dense_numel
     comm = compute = sent = 0.0
     as_rows = []
     for t in tables:
-        row_bytes = (p - 1) * t.nonzero_rows * (_VALUE_BYTES * t.dim + ROW_INDEX_BYTES)
-        if row_bytes < _ring(_VALUE_BYTES * t.rows * t.dim, p, link)[1]:
+        if rows_pay(t.nonzero_rows, (t.rows, t.dim), _VALUE_BYTES, p):  # count, indices, rows: three all-gathers
+            row_bytes = rows_bytes(t.nonzero_rows, t.dim, _VALUE_BYTES, p)
             comm += 3 * (p - 1) * link.latency_s + row_bytes * 8.0 / link.bandwidth_bps
-            compute += c * p * t.nonzero_rows * t.dim
-            sent += row_bytes + (p - 1) * ROW_INDEX_BYTES  # the rows, the indices' and the count's exchange
+            compute += cal.dense_ns * 1e-9 * p * t.nonzero_rows * t.dim
+            sent += row_bytes + (p - 1) * INDEX_BYTES  # the rows with their indices, and the int64 count
             as_rows.append(t)
         else:
             dense += t.rows * t.dim
-    if dense:
-        ring_s, ring_bytes = _ring(_VALUE_BYTES * dense, p, link)
-        comm, compute, sent = comm + ring_s, compute + c * dense, sent + ring_bytes
+    if dense:  # the ring all-reduce and c_dense per element, as compression.py's dense reduction
+        ring = reduction_time(dense, p, link, "none", calibration=cal)
+        comm, compute, sent = comm + ring.comm_s, compute + ring.compute_s, sent + ring.bytes_sent
     return ExactReduction(comm, compute, sent, tuple(as_rows))
 
 
