@@ -26,14 +26,15 @@ def _ds_config(gas, bf16=False, stage=0, clip=0.0):
             "bf16": {"enabled": bf16}, "steps_per_print": 10**9, "gradient_clipping": clip}
 
 
-def _engine(gas, comp, bf16=False, stage=0, clip=0.0, momentum=0.0):
+def _engine(gas, comp, bf16=False, stage=0, clip=0.0, momentum=0.0, adamw=False):
+    """A DeepSpeed engine over _body() with SGD (``momentum``), or AdamW (lr 0.01) with ``adamw``."""
     from ds_xc.compression import attach_to_engine
     from ds_xc.engine import cpu_friendly_deepspeed
     deepspeed = cpu_friendly_deepspeed()
     body = _body()
-    engine, _, _, _ = deepspeed.initialize(model=body, optimizer=torch.optim.SGD(body.parameters(), lr=LR,
-                                                                                 momentum=momentum),
-                                           config=_ds_config(gas, bf16, stage, clip))
+    inner = (torch.optim.AdamW(body.parameters(), lr=0.01) if adamw else
+             torch.optim.SGD(body.parameters(), lr=LR, momentum=momentum))
+    engine, _, _, _ = deepspeed.initialize(model=body, optimizer=inner, config=_ds_config(gas, bf16, stage, clip))
     return engine, attach_to_engine(engine, comp)
 
 
@@ -113,14 +114,8 @@ def test_bf16_compressed_replicas_stay_identical(pools):
 def _bf16_adamw_run(rank, world, steps, momentum):
     """bf16 engine, AdamW, bayes_prior with momentum_correction ``momentum`` (None: auto): the betas the
     inner torch AdamW (stepping DeepSpeed's fp32 master copies) sees at each step, and after."""
-    from ds_xc.compression import attach_to_engine
-    from ds_xc.engine import cpu_friendly_deepspeed
-    deepspeed = cpu_friendly_deepspeed()
-    body = _body()
-    engine, _, _, _ = deepspeed.initialize(model=body, optimizer=torch.optim.AdamW(body.parameters(), lr=0.01),
-                                           config=_ds_config(1, bf16=True))
     comp = dict(COMP, adam_variance="live") if momentum is None else dict(COMP, momentum_correction=momentum)
-    opt = attach_to_engine(engine, comp)
+    engine, opt = _engine(1, comp, bf16=True, adamw=True)
     inner = engine.optimizer.inner.optimizer  # DeepSpeed's bf16 wrapper -> its torch AdamW
     seen = []
     inner.register_step_pre_hook(lambda o, args, kwargs: seen.append([g["betas"] for g in o.param_groups]))
@@ -148,19 +143,14 @@ def test_bf16_master_copies_step_without_the_first_moment(pools, momentum):
 def _bf16_score_run(rank, world, steps, select_by):
     """bf16 engine, AdamW, top-k ranked by ``select_by``: the scorer, and its score of a fixed v against the
     float64 formula on the inner AdamW's state of the weight's float32 master."""
-    from ds_xc.compression import attach_to_engine
     from ds_xc.compression.score import FLOOR
-    from ds_xc.engine import cpu_friendly_deepspeed
-    deepspeed = cpu_friendly_deepspeed()
-    body = _body()
-    engine, _, _, _ = deepspeed.initialize(model=body, optimizer=torch.optim.AdamW(body.parameters(), lr=0.01),
-                                           config=_ds_config(1, bf16=True))
-    opt = attach_to_engine(engine, {"method": "topk", "density": 0.3, "min_numel": 16, "select_by": select_by})
+    engine, opt = _engine(1, {"method": "topk", "density": 0.3, "min_numel": 16, "select_by": select_by},
+                          bf16=True, adamw=True)
     _engine_steps(engine, rank, 1, 0, steps, bf16=True)
     wrapper = engine.optimizer.inner
     inner, master = wrapper.optimizer, wrapper.fp32_groups[0][0]  # the weight's float32 master
     st = inner.state[master]
-    v = torch.randn(body.weight.numel(), generator=torch.Generator().manual_seed(7))
+    v = torch.randn(engine.module.weight.numel(), generator=torch.Generator().manual_seed(7))
     got = opt._update_score(v, torch.zeros_like(v), 0, v.numel())
     vhat = st["exp_avg_sq"].double().reshape(-1) / (1.0 - 0.999 ** float(st["step"]))
     want = v.double() / vhat.clamp(min=FLOOR * float(vhat.mean())).sqrt()
