@@ -15,12 +15,20 @@ barrier per step, evaluations left out). Variants:
 - ``powersgd``: rank 4 (about 1% of the dense bytes on the text task), error feedback;
 - ``bayes_prior``, ``topk``: density 0.01, error feedback, their library defaults.
 
+``--trajectory RUN.json`` re-times a recorded run on other links: each variant trains only
+``--timed_steps`` steps per link; its losses must equal the recorded run's bit for bit (the runs
+are deterministic: the link changes the step time, not the numbers), and it reaches the recorded
+target at its recorded step, after this link's mean step time per step.
+
 Writes a table per link (steps and time to the target, speed-up against dense and against
 PowerSGD, bytes on the veth) and a plot of top-1 against training time per link:
 
     sudo python benchmarks/time_to_accuracy.py                          # 1gbit,100mbit; ~45 min
     sudo python benchmarks/time_to_accuracy.py --rates 10gbit --steps 100 --out -
     sudo python benchmarks/time_to_accuracy.py --ranks 4 --rates 1gbit --steps 1200 --target_variant dense_rows
+    sudo python benchmarks/time_to_accuracy.py --config configs/glyphs_cosface.json --seed 1 \\
+        --variants dense,powersgd,bayes_prior --rates 1gbit,10gbit --timed_steps 300 \\
+        --trajectory benchmarks/results/time_to_accuracy_glyphs_100mbit_3d21490.json
 """
 from __future__ import annotations
 
@@ -69,22 +77,30 @@ def run_variant(args, name: str, rate: str, port: int, steps: int, target: float
     return in_namespaces("compression_train.py", argv, rate, port, args.timeout, ranks=args.ranks)
 
 
-def extrapolate_dense(dense: dict, leader: dict, target: float) -> dict:
-    """DeepSpeed's dense run timed over a few steps only (``--dense_steps``), completed from ``leader``.
+def extrapolate(run: dict, leader: dict, target: float, source: str) -> dict:
+    """A run timed over a few steps only, completed from ``leader``, a run on the same trajectory.
 
-    ``leader`` (dense_rows) computes the same mean, so it follows the same trajectory (the
-    losses of the common steps are compared: ``loss_max_diff``); dense then reaches the target at
-    the leader's step, after its own mean step time (first step excluded) times the steps
-    after the first. Returns a copy of ``dense`` whose curve holds that one point."""
-    hit = first_reach(leader["curve"], target)
-    n = len(dense["losses"])
-    mean_s = (dense["train_s"] - dense["first_step_s"]) / max(n - 1, 1)
-    out = dict(dense, extrapolated_from=n,
-               loss_max_diff=max(abs(a - b) for a, b in zip(dense["losses"], leader["losses"])))
-    if hit is not None:
-        out["curve"] = [{"step": hit["step"], "train_s": dense["first_step_s"] + mean_s * (hit["step"] - 1),
-                         "top1": hit["top1"], "top5": hit["top5"]}]
+    ``leader`` is the dense_rows run for DeepSpeed's dense one (``--dense_steps``: the same mean)
+    or this variant's run recorded on another link (``--trajectory``); the losses of the common
+    steps are compared (``loss_max_diff``). Every evaluation of ``leader`` is placed at this run's
+    first step plus its mean step time (first step excluded) times the steps after the first, so
+    the run reaches the target at the leader's step. Returns a copy of ``run`` with that curve;
+    ``source`` names the leader in the report."""
+    n = len(run["losses"])
+    mean_s = (run["train_s"] - run["first_step_s"]) / max(n - 1, 1)
+    out = dict(run, extrapolated_from=n, leader=source,
+               loss_max_diff=max(abs(a - b) for a, b in zip(run["losses"], leader["losses"])))
+    out["curve"] = [dict(c, train_s=run["first_step_s"] + mean_s * (c["step"] - 1)) for c in leader["curve"]]
     return out
+
+
+def recorded(path: str) -> tuple[dict, float, str]:
+    """``--trajectory``: the runs of a time-to-accuracy .json by variant, its target, and its link (the first one:
+    the runs are deterministic, so every link of one file holds the same trajectory and target)."""
+    with open(path) as fh:
+        saved = json.load(fh)
+    rate, rec = next(iter(saved.items()))
+    return {name: r for name, r, _ in rec["runs"]}, rec["target"], rate
 
 
 def rate_table(rate: str, runs: list, target: float) -> list[str]:
@@ -100,15 +116,16 @@ def rate_table(rate: str, runs: list, target: float) -> list[str]:
 
         def ratio(other):
             return f"{t[other] / t[name]:.2f}x" if t.get(other) and t[name] else "n/a"
-        when = f"{t[name]:.1f}" if hit else f"> {since_first_step(r, r['train_s']):.1f}"  # never: its whole run
+        end = r["curve"][-1]["train_s"] if r.get("extrapolated_from") and r["curve"] else r["train_s"]
+        when = f"{t[name]:.1f}" if hit else f"> {since_first_step(r, end):.1f}"  # never: its whole run
         if r.get("extrapolated_from"):
             when += f" (timed over {r['extrapolated_from']} steps)"
         lines.append(f"| {name} | {r['step_s']:.3f} | {hit['step'] if hit else 'never'} | {when} | "
                      f"{ratio('dense')} | {ratio('powersgd')} | {best['top1']:.4f} ({best['step']}) | "
                      f"{c['tx_bytes'][0] / r['steps']:,.0f} |")
-    extra = [f"dense ran {r['extrapolated_from']} steps: its time to the target is its mean step time x the "
-             f"target variant's steps; its losses differ from that variant's by at most {r['loss_max_diff']:.2e} over "
-             "those steps (the same mean)\n" for name, r, _ in runs if r.get("extrapolated_from")]
+    extra = [f"{name} ran {r['extrapolated_from']} steps on this link: its evaluations are {r['leader']}'s, each at "
+             f"this run's mean step time x the steps to it; its losses differ from {r['leader']}'s by at most "
+             f"{r['loss_max_diff']:.2e} over those steps\n" for name, r, _ in runs if r.get("extrapolated_from")]
     return lines + [""] + extra
 
 
@@ -119,8 +136,8 @@ def plot(results: dict, path: str) -> None:
     fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
     for ax, (rate, (runs, target)) in zip(axes[0], results.items()):
         for name, r, _ in runs:
-            ax.plot([since_first_step(r, c["train_s"]) for c in r["curve"]], [c["top1"] for c in r["curve"]], marker="o", ms=3,
-                    label=name)
+            ax.plot([since_first_step(r, c["train_s"]) for c in r["curve"]], [c["top1"] for c in r["curve"]],
+                    marker="o", ms=3, label=name)
         ax.axhline(target, color="grey", ls=":", lw=1)
         ax.set_title(f"{rate} link, {runs[0][1].get('world', 2)} ranks")  # records before --ranks: 2
         ax.set_xlabel("training time after step 1 (s)")
@@ -142,7 +159,12 @@ def main(argv=None) -> str:
                    help="the variant whose final top-1 is the target (it runs first)")
     p.add_argument("--dense_steps", type=int, default=60,
                    help="with --target_variant dense_rows: steps DeepSpeed's dense runs to time its step (the same "
-                   "mean as dense_rows: its time to the target is extrapolated, see extrapolate_dense)")
+                   "mean as dense_rows: its time to the target is extrapolated, see extrapolate)")
+    p.add_argument("--trajectory", default=None,
+                   help="a recorded run's .json (the same job, seed and trajectory): each variant then trains only "
+                   "--timed_steps steps per link and reaches the target at its recorded step")
+    p.add_argument("--timed_steps", type=int, default=100,
+                   help="with --trajectory: the steps each variant is timed over")
     p.add_argument("--max_factor", type=float, default=2.0, help="the others stop at max_factor x steps")
     p.add_argument("--eval_every", type=int, default=25)
     p.add_argument("--eval_samples", type=int, default=0, help="override xc_train.eval_samples (0: the config's)")
@@ -160,26 +182,20 @@ def main(argv=None) -> str:
         p.error(f"--variants={args.variants!r}: must name {lead} (--target_variant, it sets the target); allowed: "
                 f"{', '.join(VARIANTS)}")
     names = [lead] + [n for n in names if n != lead]
+    if args.trajectory:
+        missing = [n for n in names if n not in recorded(args.trajectory)[0]]
+        if missing:
+            p.error(f"--trajectory={args.trajectory}: has no run of {', '.join(missing)} "
+                    f"(--variants={args.variants!r})")
     command = "sudo python benchmarks/time_to_accuracy.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     started, t0, port = datetime.datetime.now().isoformat(timespec="seconds"), time.time(), 29655
     results = {}
     for rate in args.rates.split(","):
-        runs, target = [], 0.0
-        for name in names:
-            port += 1
-            short = name == "dense" and lead != "dense"
-            steps = (args.steps if name == lead else args.dense_steps if short
-                     else math.ceil(args.max_factor * args.steps))
-            res, ctr = run_variant(args, name, rate, port, steps, target, evaluate=not short)
-            if name == lead:
-                target = res["curve"][-1]["top1"]
-            if short:
-                res = extrapolate_dense(res, runs[0][1], target)
-            runs.append((name, res, ctr))
-            hit = first_reach(res["curve"], target)
-            print(f"{rate} {name}: {res['step_s']:.3f} s/step, "
-                  f"{'target at step %d, %.1f s' % (hit['step'], hit['train_s']) if hit else 'target not reached'}",
-                  flush=True)
+        if args.trajectory:
+            runs, target = timed_link(args, rate, names, port)
+        else:
+            runs, target = measured_link(args, rate, names, port)
+        port += len(names)
         results[rate] = (runs, target)
         report = render(args, command, started, time.time() - t0, results)
         write(args.out, report, results)  # after every link: a later failure keeps what was measured
@@ -187,6 +203,52 @@ def main(argv=None) -> str:
     if args.out != "-":
         save_plot(results, os.path.splitext(args.out)[0] + ".png")
     return report
+
+
+def measured_link(args, rate: str, names: list[str], port: int) -> tuple[list, float]:
+    """One link: the target variant trains ``--steps`` steps and sets the target; the others train to it."""
+    runs, target, lead = [], 0.0, names[0]
+    for i, name in enumerate(names):
+        short = name == "dense" and lead != "dense"
+        steps = (args.steps if name == lead else args.dense_steps if short
+                 else math.ceil(args.max_factor * args.steps))
+        res, ctr = run_variant(args, name, rate, port + i, steps, target, evaluate=not short)
+        if name == lead:
+            target = res["curve"][-1]["top1"]
+        if short:
+            res = extrapolate(res, runs[0][1], target, lead)
+        runs.append((name, res, ctr))
+        progress(rate, name, res, target)
+    return runs, target
+
+
+def timed_link(args, rate: str, names: list[str], port: int) -> tuple[list, float]:
+    """One link, ``--trajectory``: each variant trains ``--timed_steps`` steps, on the recorded run's trajectory.
+
+    The runs are deterministic (gloo's reductions do not depend on the link's speed), so a variant
+    reaches the target at the step it did in the recorded run; what the link changes is the step time.
+    A variant whose losses differ from the recorded ones in any step is refused: it is another
+    trajectory (another revision, config or seed), and the recorded steps would not apply."""
+    rec, target, rec_rate = recorded(args.trajectory)
+    runs = []
+    for i, name in enumerate(names):
+        res, ctr = run_variant(args, name, rate, port + i, args.timed_steps, 0.0, evaluate=False)
+        res = extrapolate(res, rec[name], target, f"the recorded {name} run ({os.path.basename(args.trajectory)}, "
+                                                   f"{rec_rate})")
+        if res["loss_max_diff"] != 0.0:
+            raise SystemExit(f"--trajectory={args.trajectory}: {name}'s losses differ from the recorded run's by "
+                             f"{res['loss_max_diff']:.3e} within {args.timed_steps} steps; the recorded steps to the "
+                             "target do not apply (another revision, config or seed?)")
+        runs.append((name, res, ctr))
+        progress(rate, name, res, target)
+    return runs, target
+
+
+def progress(rate: str, name: str, res: dict, target: float) -> None:
+    hit = first_reach(res["curve"], target)
+    print(f"{rate} {name}: {res['step_s']:.3f} s/step, "
+          f"{'target at step %d, %.1f s' % (hit['step'], hit['train_s']) if hit else 'target not reached'}",
+          flush=True)
 
 
 def write(out: str, report: str, results: dict) -> None:
@@ -230,6 +292,17 @@ def topology(ranks: int) -> str:
     return text
 
 
+def protocol(args) -> str:
+    """The header's words for how the target and the times to it were measured."""
+    if args.trajectory:
+        return (f"each variant trains {args.timed_steps} steps on each link, its losses equal bit for bit to its run "
+                f"in {os.path.basename(args.trajectory)} (the same trajectory): that run's target, evaluations and "
+                "steps to the target, each evaluation at this link's mean step time (first step excluded) x its step")
+    return (f"{args.target_variant} trains {args.steps} steps, its final top-1 is the target; the others stop at the "
+            f"first evaluation (every {args.eval_every} steps) that reaches it, or after "
+            f"{math.ceil(args.max_factor * args.steps)} steps")
+
+
 def render(args, command: str, started: str, wall: float, results: dict) -> str:
     first = next(iter(results.values()))[0][0][1]
     load = "/".join(f"{x:.1f}" for x in os.getloadavg())
@@ -238,11 +311,9 @@ def render(args, command: str, started: str, wall: float, results: dict) -> str:
              f"load average {load} at the end", f"- ds_xc at git {git_rev(('ds_xc', 'benchmarks', 'configs'))}",
              f"- job: {first['config']} ({first['data']}, {first['num_classes']} classes, backbone "
              f"{first['backbone_numel'] / 1e6:.2f} M parameters), seed {args.seed}; {topology(args.ranks)}",
-             f"- {args.target_variant} trains {args.steps} steps, its final top-1 is the target; the others stop at the first "
-             f"evaluation (every {args.eval_every} steps) that reaches it, or after {math.ceil(args.max_factor * args.steps)}"
-             " steps; time = training time after the first step (index build, warm-up), barrier to barrier per step, "
-             "evaluations left out; "
-             "`vs dense` = dense's time to the target / this variant's (> 1: faster)\n"]
+             f"- {protocol(args)}; time = training time after the first step (index build, warm-up), barrier to "
+             "barrier per step, evaluations left out; `vs dense` = dense's time to the target / this variant's (> 1: "
+             "faster)\n"]
     for rate, (runs, target) in results.items():
         lines += rate_table(rate, runs, target)
     return "\n".join(lines)

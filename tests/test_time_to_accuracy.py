@@ -47,9 +47,10 @@ def test_dense_extrapolated_from_a_short_run_of_the_same_mean():
     rows["losses"] = [5.0, 4.5, 4.0, 3.9]
     dense = {"curve": [], "first_step_s": 2.0, "train_s": 2.0 + 3 * 0.5, "step_s": 0.5, "steps": 4,
              "losses": [5.0, 4.5, 4.25, 3.9]}
-    ext = tta.extrapolate_dense(dense, rows, 0.14)
+    ext = tta.extrapolate(dense, rows, 0.14, "dense_rows")
     assert ext["extrapolated_from"] == 4 and abs(ext["loss_max_diff"] - 0.25) < 1e-12
-    assert ext["curve"] == [{"step": 200, "train_s": 2.0 + 0.5 * 199, "top1": 0.14, "top5": 0.14}]
+    assert ext["curve"] == [{"step": 100, "train_s": 2.0 + 0.5 * 99, "top1": 0.10, "top5": 0.10},
+                            {"step": 200, "train_s": 2.0 + 0.5 * 199, "top1": 0.14, "top5": 0.14}]
     ctr = {"tx_bytes": [400, 400]}
     table = tta.rate_table("100mbit", [("dense_rows", rows, ctr), ("dense", ext, ctr)], 0.14)
     by_name = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]] for line in table
@@ -59,6 +60,52 @@ def test_dense_extrapolated_from_a_short_run_of_the_same_mean():
     assert by_name["dense"][7] == "100"  # 400 B over the 4 steps it ran
     assert table[0].startswith("## 100mbit: target top-1 0.1400 (dense_rows's final)")
     assert any("at most 2.50e-01" in line for line in table)
+
+
+def _recording(tmp_path, runs, target=0.14, rate="100mbit"):
+    import json
+
+    path = tmp_path / "rec.json"
+    path.write_text(json.dumps({rate: {"target": target, "runs": [[n, r, {"tx_bytes": [0, 0]}] for n, r in runs]}}))
+    return str(path)
+
+
+def test_trajectory_times_each_variant_on_its_recorded_run(tmp_path, monkeypatch):
+    """--trajectory: every variant runs --timed_steps steps on the link; it reaches the recorded target at its
+    recorded step after this link's mean step time per step; a variant whose losses differ is refused."""
+    tta = _module()
+    rows = _run([(100, 30.0, 0.10), (200, 60.0, 0.14)], first=3.0)
+    rows["losses"] = [5.0, 4.5, 4.0, 3.9]
+    slow = _run([(100, 40.0, 0.12), (300, 95.0, 0.15)], first=3.0)
+    slow["losses"] = [5.0, 4.6, 4.1, 3.8]
+    path = _recording(tmp_path, [("dense_rows", rows), ("bayes_prior", slow)])
+    timed = {"dense_rows": (0.25, [5.0, 4.5, 4.0, 3.9]), "bayes_prior": (0.1, [5.0, 4.6, 4.1, 3.8])}
+
+    def fake_run(args, name, rate, port, steps, target, evaluate=True):
+        assert steps == 4 and not evaluate and target == 0.0
+        step_s, losses = timed[name]
+        return ({"curve": [], "first_step_s": 1.0, "train_s": 1.0 + 3 * step_s, "step_s": step_s, "steps": 4,
+                 "losses": losses}, {"tx_bytes": [40, 40]})
+
+    monkeypatch.setattr(tta, "run_variant", fake_run)
+    args = type("A", (), {"trajectory": path, "timed_steps": 4})()
+    runs, target = tta.timed_link(args, "1gbit", ["dense_rows", "bayes_prior"], 29000)
+    assert target == 0.14
+    by = {n: r for n, r, _ in runs}
+    assert tta.first_reach(by["dense_rows"]["curve"], target)["train_s"] == 1.0 + 0.25 * 199
+    assert tta.first_reach(by["bayes_prior"]["curve"], target)["step"] == 300  # its own recorded step
+    table = tta.rate_table("1gbit", runs, target)
+    row = next(line for line in table if line.startswith("| bayes_prior"))
+    assert "| 300 | 29.9 (timed over 4 steps) |" in row
+    assert "| 49.8 (timed over 4 steps) |" in next(line for line in table if line.startswith("| dense_rows"))
+
+    timed["bayes_prior"] = (0.1, [5.0, 4.6, 4.1, 3.7])  # another trajectory
+    try:
+        tta.timed_link(args, "1gbit", ["dense_rows", "bayes_prior"], 29000)
+    except SystemExit as e:
+        assert "bayes_prior's losses differ" in str(e) and "1.000e-01" in str(e)
+    else:
+        raise AssertionError("a variant off the recorded trajectory was accepted")
 
 
 def test_replot_from_the_saved_json(tmp_path, capsys):
