@@ -123,9 +123,14 @@ def rate_table(rate: str, runs: list, target: float) -> list[str]:
         lines.append(f"| {name} | {r['step_s']:.3f} | {hit['step'] if hit else 'never'} | {when} | "
                      f"{ratio('dense')} | {ratio('powersgd')} | {best['top1']:.4f} ({best['step']}) | "
                      f"{c['tx_bytes'][0] / r['steps']:,.0f} |")
-    extra = [f"{name} ran {r['extrapolated_from']} steps on this link: its evaluations are {r['leader']}'s, each at "
-             f"this run's mean step time x the steps to it; its losses differ from {r['leader']}'s by at most "
-             f"{r['loss_max_diff']:.2e} over those steps\n" for name, r, _ in runs if r.get("extrapolated_from")]
+    extra = {}  # one note per leader: the runs it completes, their timed steps, the largest loss difference
+    for name, r, _ in runs:
+        if r.get("extrapolated_from"):
+            names, n, diff = extra.get(r["leader"], ([], r["extrapolated_from"], 0.0))
+            extra[r["leader"]] = (names + [name], n, max(diff, r["loss_max_diff"]))
+    extra = [f"{', '.join(names)} ran {n} steps on this link: the evaluations are those of {leader}, each at this "
+             f"run's mean step time x its step; the losses differ from {leader}'s by at most {diff:.2e} over those "
+             "steps\n" for leader, (names, n, diff) in extra.items()]
     return lines + [""] + extra
 
 
@@ -233,7 +238,7 @@ def timed_link(args, rate: str, names: list[str], port: int) -> tuple[list, floa
     runs = []
     for i, name in enumerate(names):
         res, ctr = run_variant(args, name, rate, port + i, args.timed_steps, 0.0, evaluate=False)
-        res = extrapolate(res, rec[name], target, f"the recorded {name} run ({os.path.basename(args.trajectory)}, "
+        res = extrapolate(res, rec[name], target, f"each one's recorded run ({os.path.basename(args.trajectory)}, "
                                                    f"{rec_rate})")
         if res["loss_max_diff"] != 0.0:
             raise SystemExit(f"--trajectory={args.trajectory}: {name}'s losses differ from the recorded run's by "

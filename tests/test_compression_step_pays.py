@@ -16,7 +16,7 @@ from ds_xc.compression import CompressedOptimizer, parse_compression
 from ds_xc.compression.pays import MEASURE_STEPS, SETTLE_STEPS, StepCheck
 from ds_xc.cost.comm import Link
 from ds_xc.cost.compression import Calibration
-from ds_xc.cost.compression_step import STEPS_FACTOR, Table, exact_reduction, step_verdict
+from ds_xc.cost.compression_step import STEPS_FACTOR, STEPS_FACTORS, Table, exact_reduction, step_verdict
 
 from tests.test_compression_pays import _records, pays_records  # the pays logger's records (caplog, a rank)
 
@@ -144,6 +144,22 @@ def test_check_is_off_where_it_cannot_judge(caplog):
     assert not check.active and check.verdict is None
     (level, msg), = _records(caplog)
     assert level == logging.DEBUG and "backward hooks" in msg
+
+
+def test_check_takes_each_methods_measured_extra_steps():
+    """The extra steps to the exact run's accuracy are the method's own: PowerSGD needed more than the selections
+    (1.3 against 1.17); randomk, not measured end to end, takes the fewest of any method; an explicit one wins."""
+    tensors = _tensors()
+    factors = {m: StepCheck(parse_compression({"method": m, "link_gbit_per_s": 1.0}), tensors, 2, start=0).steps_factor
+               for m in ("bayes_prior", "topk", "randomk", "powersgd")}
+    assert factors == {"bayes_prior": 1.17, "topk": 1.17, "randomk": STEPS_FACTOR, "powersgd": 1.3}
+    assert STEPS_FACTOR == min(STEPS_FACTORS.values())
+    cfg = parse_compression({"method": "powersgd", "link_gbit_per_s": 1.0})
+    check = StepCheck(cfg, tensors, 2, start=0, steps_factor=2.0)
+    v = check.judge(0.010, 0.004)
+    assert v.steps_factor == 2.0 and v.speedup == pytest.approx(v.step_speedup / 2.0)
+    v13 = StepCheck(cfg, tensors, 2, start=0).judge(0.010, 0.004)
+    assert v13.speedup == pytest.approx(v13.step_speedup / 1.3) and v13.step_speedup == pytest.approx(v.step_speedup)
 
 
 def _rank_steps(rank, world, gbit, steps):

@@ -29,7 +29,8 @@ from ds_xc.compression.config import GradientCompressionConfig
 from ds_xc.cost.compression import (BREAK_EVEN, DEFAULT_LATENCY_S, METHODS, PAYS_AT, Calibration, Verdict,
                                     break_even_gbit, verdict)
 from ds_xc.cost.comm import Link
-from ds_xc.cost.compression_step import STEPS_FACTOR, StepVerdict, Table, step_verdict
+from ds_xc.cost.compression_step import StepVerdict, Table, step_verdict
+from ds_xc.cost.compression_step import steps_factor as method_steps_factor
 
 log = logging.getLogger(__name__)
 
@@ -122,12 +123,15 @@ class StepCheck:
     ``verdict``). Inactive (it never reads a clock) without a link speed, on one rank, with a
     hierarchy, or when nothing is compressed; a reduction done from backward hooks (overlapped,
     the DDP hook) has no separate time, so that ends the check at DEBUG. Each rank judges its own
-    measurements and its own rows: nothing is communicated."""
+    measurements and its own rows: nothing is communicated. ``steps_factor`` (the extra steps
+    compression needs to the same accuracy) defaults to the method's measured one
+    (ds_xc.cost.compression_step.steps_factor)."""
 
     def __init__(self, cfg: GradientCompressionConfig, tensors: Sequence[torch.Tensor], world_size: int,
                  start: int, hierarchical: bool = False, calibration: Optional[Calibration] = None,
-                 steps_factor: float = STEPS_FACTOR):
-        self.cfg, self.world_size, self.calibration, self.steps_factor = cfg, world_size, calibration, steps_factor
+                 steps_factor: Optional[float] = None):
+        self.cfg, self.world_size, self.calibration = cfg, world_size, calibration
+        self.steps_factor = steps_factor if steps_factor is not None else method_steps_factor(cfg.method)
         self.tensors = list(tensors)
         self.start = start + SETTLE_STEPS
         self.active = (cfg.enabled and cfg.method != "none" and cfg.link_gbit_per_s > 0 and world_size > 1
