@@ -16,7 +16,8 @@ barrier per step, evaluations left out). Variants:
 - ``bayes_prior``, ``topk``: density 0.01, error feedback, their library defaults.
 
 ``--trajectory RUN.json`` re-times a recorded run on other links: each variant trains only
-``--timed_steps`` steps per link; its losses must equal the recorded run's bit for bit (the runs
+``--timed_steps`` steps per link (evaluating as the recorded run did: give its ``--eval_every``
+and ``--eval_samples``); its losses must equal the recorded run's bit for bit (the runs
 are deterministic: the link changes the step time, not the numbers), and it reaches the recorded
 target at its recorded step, after this link's mean step time per step.
 
@@ -27,7 +28,7 @@ PowerSGD, bytes on the veth) and a plot of top-1 against training time per link:
     sudo python benchmarks/time_to_accuracy.py --rates 10gbit --steps 100 --out -
     sudo python benchmarks/time_to_accuracy.py --ranks 4 --rates 1gbit --steps 1200 --target_variant dense_rows
     sudo python benchmarks/time_to_accuracy.py --config configs/glyphs_cosface.json --seed 1 \\
-        --variants dense,powersgd,bayes_prior --rates 1gbit,10gbit --timed_steps 300 \\
+        --variants dense,powersgd,bayes_prior --rates 1gbit,10gbit --timed_steps 300 --eval_every 100 \\
         --trajectory benchmarks/results/time_to_accuracy_glyphs_100mbit_3d21490.json
 """
 from __future__ import annotations
@@ -233,17 +234,21 @@ def timed_link(args, rate: str, names: list[str], port: int) -> tuple[list, floa
     The runs are deterministic (gloo's reductions do not depend on the link's speed), so a variant
     reaches the target at the step it did in the recorded run; what the link changes is the step time.
     A variant whose losses differ from the recorded ones in any step is refused: it is another
-    trajectory (another revision, config or seed), and the recorded steps would not apply."""
+    trajectory (another revision, config or seed), and the recorded steps would not apply. It
+    evaluates every ``--eval_every`` steps as the recorded run did (those times are left out):
+    an evaluation can move later steps by a rounding (the text job's head catches its lazy rows
+    up for it), so only the recorded schedule keeps the recorded trajectory."""
     rec, target, rec_rate = recorded(args.trajectory)
     runs = []
     for i, name in enumerate(names):
-        res, ctr = run_variant(args, name, rate, port + i, args.timed_steps, 0.0, evaluate=False)
+        res, ctr = run_variant(args, name, rate, port + i, args.timed_steps, 0.0)
         res = extrapolate(res, rec[name], target, f"each one's recorded run ({os.path.basename(args.trajectory)}, "
                                                    f"{rec_rate})")
         if res["loss_max_diff"] != 0.0:
             raise SystemExit(f"--trajectory={args.trajectory}: {name}'s losses differ from the recorded run's by "
                              f"{res['loss_max_diff']:.3e} within {args.timed_steps} steps; the recorded steps to the "
-                             "target do not apply (another revision, config or seed?)")
+                             "target do not apply (another revision, config or seed, or another --eval_every / "
+                             "--eval_samples than the recorded run's?)")
         runs.append((name, res, ctr))
         progress(rate, name, res, target)
     return runs, target
@@ -300,7 +305,8 @@ def topology(ranks: int) -> str:
 def protocol(args) -> str:
     """The header's words for how the target and the times to it were measured."""
     if args.trajectory:
-        return (f"each variant trains {args.timed_steps} steps on each link, its losses equal bit for bit to its run "
+        return (f"each variant trains {args.timed_steps} steps on each link (evaluating every {args.eval_every} as "
+                f"recorded), its losses equal bit for bit to its run "
                 f"in {os.path.basename(args.trajectory)} (the same trajectory): that run's target, evaluations and "
                 "steps to the target, each evaluation at this link's mean step time (first step excluded) x its step")
     return (f"{args.target_variant} trains {args.steps} steps, its final top-1 is the target; the others stop at the "
