@@ -130,8 +130,8 @@ def rate_table(rate: str, runs: list, target: float) -> list[str]:
             names, n, diff = extra.get(r["leader"], ([], r["extrapolated_from"], 0.0))
             extra[r["leader"]] = (names + [name], n, max(diff, r["loss_max_diff"]))
     extra = [f"{', '.join(names)} ran {n} steps on this link: the evaluations are those of {leader}, each at this "
-             f"run's mean step time x its step; the losses differ from {leader}'s by at most {diff:.2e} over those "
-             "steps\n" for leader, (names, n, diff) in extra.items()]
+             f"run's mean step time x its step; over those steps the losses differ from those of {leader} by at most "
+             f"{diff:.2e}\n" for leader, (names, n, diff) in extra.items()]
     return lines + [""] + extra
 
 
