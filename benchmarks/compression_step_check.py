@@ -8,7 +8,7 @@ defaults and ``gradient_compression.link_gbit_per_s`` set to the link, for ``--s
 and puts its verdict beside what the recorded time-to-accuracy run measured end to end: the
 exact variant's step, and how much sooner (or later) bayes_prior reached the exact run's accuracy.
 
-    sudo python benchmarks/compression_step_check.py            # 3 cases, ~3 min
+    sudo python benchmarks/compression_step_check.py            # 5 cases, ~3 min
 """
 from __future__ import annotations
 
@@ -31,7 +31,9 @@ DEFAULT_OUT = os.path.join(RESULTS, "compression_step_check.md")
 # (config, tc rate, link_gbit_per_s, seed, recorded time-to-accuracy run, its exact variant)
 CASES = (("configs/default.json", "1gbit", 1.0, 0, "time_to_accuracy_1gbit_unshaped_8401cbc.json", "dense_rows"),
          ("configs/default.json", "100mbit", 0.1, 0, "time_to_accuracy_100mbit_1fc302a.json", "dense_rows"),
-         ("configs/glyphs_cosface.json", "100mbit", 0.1, 1, "time_to_accuracy_glyphs_100mbit_3d21490.json", "dense"))
+         ("configs/glyphs_cosface.json", "100mbit", 0.1, 1, "time_to_accuracy_glyphs_100mbit_3d21490.json", "dense"),
+         ("configs/default.json", "10gbit", 10.0, 0, "time_to_accuracy_text_links_0573e9e.json", "dense_rows"),
+         ("configs/glyphs_cosface.json", "1gbit", 1.0, 1, "time_to_accuracy_glyphs_links_308e4d8.json", "dense"))
 
 
 def measured(record: str, rate: str, exact: str) -> dict:
@@ -72,7 +74,8 @@ def render(command: str, started: str, wall: float, rows: list) -> str:
              "veth pair shaped by `tc tbf rate RATE burst 128kb latency 50ms` (benchmarks/netns.sh), "
              "`gradient_compression.link_gbit_per_s` = the link; the check's numbers are rank 0's (medians of "
              "20 compressed steps after 5); `recorded` = the time-to-accuracy run named (its medians over the "
-             "whole run), `exact` its best exact variant (dense_rows: the embedding table as rows; dense: "
+             "whole run, or over the timed steps of a run re-timed with --trajectory), `exact` its best exact "
+             "variant (dense_rows: the embedding table as rows; dense: "
              "DeepSpeed's all-reduce)\n",
              "| job | link | check: compressed step (reduction) | check: predicted exact step | recorded: exact "
              "step | check: to the same accuracy | recorded: to the same accuracy (steps x) |",
