@@ -23,7 +23,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py, compression_netns.py
 from compression_netns import in_namespaces  # noqa: E402
 from harness import git_rev, write_report  # noqa: E402
-from time_to_accuracy import first_reach, since_first_step  # noqa: E402
+from time_to_accuracy import first_reach, recorded, since_first_step  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -39,13 +39,11 @@ CASES = (("configs/default.json", "1gbit", 1.0, 0, "time_to_accuracy_1gbit_unsha
 def measured(record: str, rate: str, exact: str) -> dict:
     """From a recorded time-to-accuracy run: the exact variant's and bayes_prior's step, steps and time to
     the target, and bayes_prior's speed-up to it (exact's time / bayes_prior's)."""
-    with open(os.path.join(RESULTS, record)) as fh:
-        saved = json.load(fh)[rate]
-    runs = {name: r for name, r, _ in saved["runs"]}
+    runs, target, _ = recorded(os.path.join(RESULTS, record), rate)
     out = {}
     for name in (exact, "bayes_prior"):
         r = runs[name]
-        hit = first_reach(r["curve"], saved["target"])
+        hit = first_reach(r["curve"], target)
         out[name] = {"step_s": r["step_s"], "steps": hit["step"] if hit else None,
                      "time_s": since_first_step(r, hit["train_s"]) if hit else None}
     e, b = out[exact], out["bayes_prior"]

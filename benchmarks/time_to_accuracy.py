@@ -41,6 +41,7 @@ import os
 import shlex
 import sys
 import time
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/harness.py, compression_netns.py
 from compression_netns import in_namespaces  # noqa: E402
@@ -95,13 +96,14 @@ def extrapolate(run: dict, leader: dict, target: float, source: str) -> dict:
     return out
 
 
-def recorded(path: str) -> tuple[dict, float, str]:
-    """``--trajectory``: the runs of a time-to-accuracy .json by variant, its target, and its link (the first one:
-    the runs are deterministic, so every link of one file holds the same trajectory and target)."""
+def recorded(path: str, rate: Optional[str] = None) -> tuple[dict, float, str]:
+    """A time-to-accuracy .json's runs of one link by variant, its target, and the link: ``rate``, or the first
+    one (``--trajectory``: the runs are deterministic, so every link of one file holds the same trajectory and
+    target)."""
     with open(path) as fh:
         saved = json.load(fh)
-    rate, rec = next(iter(saved.items()))
-    return {name: r for name, r, _ in rec["runs"]}, rec["target"], rate
+    rate = rate or next(iter(saved))
+    return {name: r for name, r, _ in saved[rate]["runs"]}, saved[rate]["target"], rate
 
 
 def rate_table(rate: str, runs: list, target: float) -> list[str]:
@@ -188,8 +190,9 @@ def main(argv=None) -> str:
         p.error(f"--variants={args.variants!r}: must name {lead} (--target_variant, it sets the target); allowed: "
                 f"{', '.join(VARIANTS)}")
     names = [lead] + [n for n in names if n != lead]
-    if args.trajectory:
-        missing = [n for n in names if n not in recorded(args.trajectory)[0]]
+    record = recorded(args.trajectory) if args.trajectory else None
+    if record:
+        missing = [n for n in names if n not in record[0]]
         if missing:
             p.error(f"--trajectory={args.trajectory}: has no run of {', '.join(missing)} "
                     f"(--variants={args.variants!r})")
@@ -198,7 +201,7 @@ def main(argv=None) -> str:
     results = {}
     for rate in args.rates.split(","):
         if args.trajectory:
-            runs, target = timed_link(args, rate, names, port)
+            runs, target = timed_link(args, rate, names, port, record)
         else:
             runs, target = measured_link(args, rate, names, port)
         port += len(names)
@@ -228,8 +231,9 @@ def measured_link(args, rate: str, names: list[str], port: int) -> tuple[list, f
     return runs, target
 
 
-def timed_link(args, rate: str, names: list[str], port: int) -> tuple[list, float]:
-    """One link, ``--trajectory``: each variant trains ``--timed_steps`` steps, on the recorded run's trajectory.
+def timed_link(args, rate: str, names: list[str], port: int, record: tuple) -> tuple[list, float]:
+    """One link, ``--trajectory``: each variant trains ``--timed_steps`` steps, on the trajectory of ``record``
+    (:func:`recorded` of the file).
 
     The runs are deterministic (gloo's reductions do not depend on the link's speed), so a variant
     reaches the target at the step it did in the recorded run; what the link changes is the step time.
@@ -238,7 +242,7 @@ def timed_link(args, rate: str, names: list[str], port: int) -> tuple[list, floa
     evaluates every ``--eval_every`` steps as the recorded run did (those times are left out):
     an evaluation can move later steps by a rounding (the text job's head catches its lazy rows
     up for it), so only the recorded schedule keeps the recorded trajectory."""
-    rec, target, rec_rate = recorded(args.trajectory)
+    rec, target, rec_rate = record
     runs = []
     for i, name in enumerate(names):
         res, ctr = run_variant(args, name, rate, port + i, args.timed_steps, 0.0)

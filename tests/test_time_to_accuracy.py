@@ -89,7 +89,7 @@ def test_trajectory_times_each_variant_on_its_recorded_run(tmp_path, monkeypatch
 
     monkeypatch.setattr(tta, "run_variant", fake_run)
     args = type("A", (), {"trajectory": path, "timed_steps": 4})()
-    runs, target = tta.timed_link(args, "1gbit", ["dense_rows", "bayes_prior"], 29000)
+    runs, target = tta.timed_link(args, "1gbit", ["dense_rows", "bayes_prior"], 29000, tta.recorded(path))
     assert target == 0.14
     by = {n: r for n, r, _ in runs}
     assert tta.first_reach(by["dense_rows"]["curve"], target)["train_s"] == 1.0 + 0.25 * 199
@@ -101,7 +101,7 @@ def test_trajectory_times_each_variant_on_its_recorded_run(tmp_path, monkeypatch
 
     timed["bayes_prior"] = (0.1, [5.0, 4.6, 4.1, 3.7])  # another trajectory
     try:
-        tta.timed_link(args, "1gbit", ["dense_rows", "bayes_prior"], 29000)
+        tta.timed_link(args, "1gbit", ["dense_rows", "bayes_prior"], 29000, tta.recorded(path))
     except SystemExit as e:
         assert "bayes_prior's losses differ" in str(e) and "1.000e-01" in str(e)
     else:

@@ -29,8 +29,7 @@ from ds_xc.compression.config import GradientCompressionConfig
 from ds_xc.cost.compression import (BREAK_EVEN, DEFAULT_LATENCY_S, METHODS, PAYS_AT, Calibration, Verdict,
                                     break_even_gbit, verdict)
 from ds_xc.cost.comm import Link
-from ds_xc.cost.compression_step import StepVerdict, Table, step_verdict
-from ds_xc.cost.compression_step import steps_factor as method_steps_factor
+from ds_xc.cost.compression_step import StepVerdict, Table, step_verdict, steps_factor as method_steps_factor
 
 log = logging.getLogger(__name__)
 
