@@ -191,7 +191,7 @@ def main(argv=None) -> str:
                 f"{', '.join(VARIANTS)}")
     names = [lead] + [n for n in names if n != lead]
     record = recorded(args.trajectory) if args.trajectory else None
-    if record:
+    if record is not None:
         missing = [n for n in names if n not in record[0]]
         if missing:
             p.error(f"--trajectory={args.trajectory}: has no run of {', '.join(missing)} "
@@ -200,7 +200,7 @@ def main(argv=None) -> str:
     started, t0, port = datetime.datetime.now().isoformat(timespec="seconds"), time.time(), 29655
     results = {}
     for rate in args.rates.split(","):
-        if args.trajectory:
+        if record is not None:
             runs, target = timed_link(args, rate, names, port, record)
         else:
             runs, target = measured_link(args, rate, names, port)
