@@ -156,6 +156,9 @@ def main(argv=None) -> list[dict]:
                    "convolutions): a dense run at 2 is the same training perturbed at the last bit")
     p.add_argument("--verify", action="store_true",
                    help="also TAR at FAR 1e-3 / 1e-4 on held-out designs where the data set has them (glyphs)")
+    p.add_argument("--eval_every", type=int, default=0,
+                   help="also held-out top-1 every N steps (the .json's `curve`; evaluating does not change the "
+                   "training); the table reports the last step")
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--out", default=DEFAULT_OUT, help="markdown file ('-': print only)")
     p.add_argument("--smoke", action="store_true", help="10 steps, print only")
@@ -171,7 +174,8 @@ def main(argv=None) -> list[dict]:
             method, extra = parse_variant(name)
             argv_rank = ["--config", os.path.join(ROOT, config), "--method", method, "--density", str(args.density),
                          "--steps", str(args.steps), "--eval", "--eval_samples", str(args.eval_samples),
-                         "--compression", json.dumps(extra), "--seed", str(args.seed)] + ["--verify"] * args.verify
+                         "--compression", json.dumps(extra), "--seed", str(args.seed),
+                         "--eval_every", str(args.eval_every)] + ["--verify"] * args.verify
             res = run_ranks(args.world, argv_rank, args.timeout, threads=args.threads)
             res["variant"] = name.split("=", 1)[0]
             rows.append(res)
