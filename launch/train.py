@@ -31,6 +31,7 @@ from ds_xc.engine import describe_comm_failure, init_distributed, is_comm_failur
 from ds_xc.evaluate import evaluate_topk  # noqa: E402
 from ds_xc.parallel.agree import all_or_none  # noqa: E402
 from ds_xc.parallel.groups import comm_device  # noqa: E402
+from ds_xc.tune.measure import release_free_memory  # noqa: E402
 from ds_xc.models import build_backbone  # noqa: E402
 
 EXIT_PEER_LOST = 3  # exit status of a rank whose peer died or stopped answering
@@ -347,7 +348,9 @@ def _finish(job: Job) -> dict:
     elapsed = time.perf_counter() - job.t0
     if job.bar is not None:
         job.bar.close()
-    job.memory.update({"after_training": process_memory()["rss"], "training_peak": process_memory()["peak"]})
+    job.memory["training_peak"] = process_memory()["peak"]
+    release_free_memory()  # what the process holds, not the heap pages the allocator kept from freed batches
+    job.memory["after_training"] = process_memory()["rss"]
     ev = job.ev = _evaluate(job)
     job.memory["peak"] = process_memory()["peak"]
     verified = _verify(job) if hasattr(job.data, "verification_set") else {}
@@ -373,7 +376,8 @@ def _finish(job: Job) -> dict:
 
 def _rank_report(job: Job) -> list:
     """Per rank (gathered over the world): its memory milestones (bytes: ``baseline`` after the imports and
-    the process group, ``after_setup`` with the engine and head built, ``after_training`` before the final
+    the process group, ``after_setup`` with the engine and head built, ``after_training`` (freed heap pages handed
+    back first: glibc keeps up to ~70 MB of freed batches, which made it vary run to run) before the final
     evaluation, ``training_peak`` and ``peak`` the VmHWM before and after it), the median step time, the
     ANN index build times and the backbone's parameter count (benchmarks/scale_classes.py compares them
     with ds_xc.cost.estimate_memory)."""
