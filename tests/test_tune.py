@@ -372,12 +372,26 @@ def test_tuner_with_probe_never_chooses_a_less_accurate_candidate_and_caches_pro
         calls.append(1)
         return real(*a, **k)
     monkeypatch.setattr(tune_session, "probe_accuracy", counting)
+    # The probe considers only candidates measured faster than the defaults. Here they differ by little, so on a
+    # loaded machine every candidate could measure slower and nothing was probed (CI at 413f4fa: base.probe None).
+    # The defaults are measured first (Tuner.run): their step time gets a fixed 10 s more, the rest stays real.
+    real_measure = tune_session.measure_candidate
+
+    def defaults_slower(*a, **k):
+        m = real_measure(*a, **k)
+        if not measured:
+            m = dict(m, amortised_s=m["amortised_s"] + 10.0)
+        measured.append(m)
+        return m
+    measured = []
+    monkeypatch.setattr(tune_session, "measure_candidate", defaults_slower)
     target = Target(min_recall=0.2, max_accuracy_drop=0.0)
     # a budget the search never reaches (it ends on the stop rule in seconds): with 20 s, a loaded CI
     # machine spent it in the first run, the second measured the rows the first had skipped and
     # probed one of them (CI at 59bf32b)
     _, res = _run(tmp_path, target, time_budget_s=3600.0, probe_steps=4, max_probes=2)
     assert not any(r.status.endswith("time budget spent") for r in res.rows)
+    assert res.base.measured["amortised_s"] >= 10.0  # the first measurement was the defaults'
     probed = [r for r in res.rows if r.probe is not None]
     assert res.base.probe is not None and len(probed) == len(calls) >= 2
     chosen = res.chosen.probe
