@@ -22,8 +22,8 @@ Steps, each printed as one line ``CHECK <name>: PASS | FAIL | SKIP (<why>)``:
    GPU through the DeepSpeed launcher, and the same job on the machine's CPU beside it (the same data:
    the text task reads the interpreter's stdlib); the held-out top-1 of the two within 0.01.
 7. ``parity_tests``: the GPU parity tests (CUDA Hamming and Triton kernels against the PyTorch
-   reference, on CUDA tensors; the bf16 head's CUDA test; momentum correction with DeepSpeed's FusedAdam)
-   through pytest.
+   reference, on CUDA tensors; the bf16 head's CUDA test; momentum correction and the update score
+   with DeepSpeed's FusedAdam) through pytest.
 8. ``profile``: torch.profiler over three steps of each timed variant at 10^6 classes, d = 128,
    bf16: wall vs device-busy time, kernel launches and host syncs per step, the top ops.
 
@@ -164,7 +164,8 @@ def check_parity_tests(ctx: dict):
     # test file runs the interpreter on CPU tensors, which CI already does)
     files = ["tests/test_ops_hamming.py", "tests/test_triton_hamming.py", "tests/test_triton_select.py",
              "tests/test_device.py", "tests/test_bf16_head.py",
-             "tests/test_compression_momentum.py::test_fused_adam_takes_the_default_on_a_gpu"]
+             "tests/test_compression_momentum.py::test_fused_adam_takes_the_default_on_a_gpu",
+             "tests/test_compression_score.py::test_fused_adam_is_ranked_by_its_state_on_a_gpu"]
     files = [f for f in files if os.path.exists(os.path.join(ROOT, f.split("::")[0]))]
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)

@@ -78,8 +78,9 @@ class GradientCompressionConfig(Section):
         "auto", description="What topk and bayes_prior rank: magnitude = |v|; update = |v| / sqrt(v-hat), v-hat the "
         "wrapped Adam(W)'s bias-corrected second moment, i.e. the size of the step the pending value would make, so "
         "a small consistent gradient is not starved by large noisy ones (ds_xc/compression/score.py); auto = update "
-        "with a torch Adam/AdamW that steps the reduced tensors (or their per-parameter fp32 masters, DeepSpeed's "
-        "bf16 at ZeRO 0), else magnitude. update needs method topk or bayes_prior.")
+        "with an Adam (torch's Adam/AdamW, DeepSpeed's FusedAdam or DeepSpeedCPUAdam) that steps the reduced "
+        "tensors (or their per-parameter fp32 masters, DeepSpeed's bf16 at ZeRO 0), else magnitude (ZeRO-1 "
+        "partitions the Adam state). update needs method topk or bayes_prior.")
     warmup_steps: Optional[int] = Field(None, ge=0, description="Optimizer steps reduced densely before compression "
                                         "starts. Default (null): ADAM_WARMUP_STEPS when the wrapped optimizer's "
                                         "variance is frozen (adam_variance auto or frozen), whose estimate the "

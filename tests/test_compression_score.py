@@ -113,11 +113,52 @@ def test_auto_resolution_and_errors(caplog):
         CompressedOptimizer(torch.optim.AdamW(net.parameters()), dict(cfg, method="randomk", select_by="update"))
 
 
-def _ranked_run(rank, world, select_by, steps=4):
+def _cpu_adam_builds() -> bool:
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+    return CPUAdamBuilder().is_compatible(verbose=False)
+
+
+def _adam(kind, params, **kw):
+    if kind == "cpu_adam":  # DeepSpeed's C++ Adam; FusedAdam (a GPU's) keeps the same state
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        return DeepSpeedCPUAdam(params, adamw_mode=True, **kw)
+    return torch.optim.AdamW(params, **kw)
+
+
+@pytest.mark.parametrize("bias_correction", [True, False])
+def test_deepspeed_cpu_adam_is_ranked_by_its_state(bias_correction, caplog):
+    """DeepSpeed's Adams keep step and exp_avg_sq per parameter as torch's do: auto ranks by them, with
+    the bias correction where the group asks for it (the region formula in float64)."""
+    if not _cpu_adam_builds():
+        pytest.skip("DeepSpeed's CPU Adam op cannot be built here")
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    net = _net()
+    params = list(net.parameters())
+    opt = DeepSpeedCPUAdam(params, lr=1e-3, bias_correction=bias_correction)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p) * torch.rand_like(p)
+        opt.step()
+    lay = plan_layout(params, 1000, True)
+    score = UpdateScore(opt, params, lay)
+    v = torch.randn(lay.region[1] - lay.region[0])
+    out = score(v, torch.empty_like(v), 0, v.numel())
+    n = params[0].numel()
+    sq = opt.state[params[0]]["exp_avg_sq"].reshape(-1)
+    ref = _score64(v[:n], sq, 3) if bias_correction else v[:n].double() / sq.double().clamp(
+        min=FLOOR * float(sq.double().mean())).sqrt()
+    torch.testing.assert_close(out[:n].double(), ref, rtol=1e-6, atol=0.0)
+    cfg = {"method": "topk", "density": 0.1, "min_numel": 1000}
+    with caplog.at_level(logging.INFO, logger="ds_xc.compression.score"):
+        assert CompressedOptimizer(DeepSpeedCPUAdam(net.parameters()), cfg)._update_score is not None
+    assert "select_by auto -> magnitude" not in caplog.text
+
+
+def _ranked_run(rank, world, select_by, steps=4, kind="adamw"):
     """Per compressed step: this rank's v = e + u, its residual after, and the Adam state it ranked by."""
     net = _net()
     params = list(net.parameters())
-    opt = CompressedOptimizer(torch.optim.AdamW(params, lr=0.01),
+    opt = CompressedOptimizer(_adam(kind, params, lr=0.01),
                               {"method": "topk", "density": 0.05, "min_numel": 1000, "allocation": "numel",
                                "select_by": select_by})
     res, lay = opt._buffers["residual"], opt.layout
@@ -139,9 +180,11 @@ def _ranked_run(rank, world, select_by, steps=4):
             "params": [p.detach().clone() for p in params]}
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_each_rank_sends_the_top_k_of_its_update_score(pools, world):
-    results = pools(world).run(_ranked_run, "update")
+@pytest.mark.parametrize("world,kind", [(2, "adamw"), (3, "adamw"), (2, "cpu_adam")])
+def test_each_rank_sends_the_top_k_of_its_update_score(pools, world, kind):
+    if kind == "cpu_adam" and not _cpu_adam_builds():
+        pytest.skip("DeepSpeed's CPU Adam op cannot be built here")
+    results = pools(world).run(_ranked_run, "update", 4, kind)
     differs = 0
     for r in results:
         for step in r["steps"]:
@@ -161,3 +204,25 @@ def test_each_rank_sends_the_top_k_of_its_update_score(pools, world):
     assert differs > 0  # ranking by size would have sent other elements: the check can fail
     for r in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], r["params"]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="DeepSpeed's FusedAdam needs CUDA")
+def test_fused_adam_is_ranked_by_its_state_on_a_gpu():
+    """DeepSpeed's default Adam on GPUs: auto ranks by its state, and the run equals the same run with
+    torch's AdamW, which ranks by the same formula (one rank, CUDA)."""
+    from deepspeed.ops.adam import FusedAdam
+    runs = {}
+    for name in ("torch", "fused"):
+        net = _net().cuda()
+        inner = (torch.optim.AdamW if name == "torch" else FusedAdam)(net.parameters(), lr=0.01)
+        opt = CompressedOptimizer(inner, {"method": "topk", "density": 0.05, "min_numel": 1000})
+        assert opt._update_score is not None
+        for step in range(5):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(8, IN, generator=g).cuda(), torch.randint(0, OUT, (8,), generator=g).cuda()
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+        runs[name] = [p.detach().cpu() for p in net.parameters()]
+    for a, b in zip(runs["torch"], runs["fused"]):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)

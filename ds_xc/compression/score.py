@@ -10,6 +10,11 @@ gradient then climbs the ranking as fast as a large one, and a noisy element, wh
 only as the square root of its wait, waits longer. Measured on the glyphs CNN and the text task in
 docs/compression.md.
 
+The Adams it reads: torch's Adam/AdamW and DeepSpeed's FusedAdam (what DeepSpeed builds for an
+``"optimizer": {"type": "Adam"}`` section on a GPU) and DeepSpeedCPUAdam. All three keep ``step`` and
+``exp_avg_sq`` per parameter in ``optimizer.state``; DeepSpeed's skip the bias correction when a group
+says ``bias_correction: false``, and so does the score.
+
 ``floor`` = ``FLOOR`` x the tensor's mean v-hat (an RMS of 1% of the tensor's): an element with no
 second moment yet (an embedding row no batch looked up so far) is ranked as if its gradients were
 that small, not divided by zero. With ``adam_variance: frozen`` the score divides by the frozen
@@ -24,30 +29,40 @@ from typing import Optional
 
 import torch
 
-from ds_xc.compression.frozen_adam import FROZEN_KEY, not_torch_adam, steps_other_tensors
+from ds_xc.compression.frozen_adam import FROZEN_KEY, steps_other_tensors
+from ds_xc.compression.momentum import is_adam
 from ds_xc.config_base import COMPRESSION_SECTION, ConfigError
 from ds_xc_ops.score import update_score
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FLOOR", "update_score_unsupported", "per_param_masters", "UpdateScore", "build_update_score"]
+__all__ = ["FLOOR", "not_an_adam", "update_score_unsupported", "per_param_masters", "UpdateScore", "build_update_score"]
 
 FLOOR = 1e-4  # v-hat floor, relative to the tensor's mean v-hat
 
 
+def not_an_adam(optimizer) -> Optional[str]:
+    """Why ``optimizer``'s state is not one the score can read (None: an Adam it reads, module docstring)."""
+    if is_adam(optimizer):
+        return None
+    return (f"the wrapped optimizer is {type(optimizer).__name__}, not torch.optim.Adam/AdamW or DeepSpeed's "
+            "FusedAdam/DeepSpeedCPUAdam")
+
+
 def update_score_unsupported(optimizer, params: list) -> Optional[str]:
     """Why ``select_by: update`` cannot rank ``params`` by ``optimizer``'s steps (None: it can)."""
-    return not_torch_adam(optimizer) or steps_other_tensors(optimizer, params)
+    return not_an_adam(optimizer) or steps_other_tensors(optimizer, params)
 
 
 def per_param_masters(optimizer, params: list) -> Optional[tuple]:
-    """(the torch Adam/AdamW, {id(param): its float32 master}) when ``optimizer`` is a DeepSpeed wrapper with
-    one master tensor per parameter (``fp16_groups`` and ``fp32_groups`` in step: DeepSpeed 0.19's bf16 at
-    ZeRO 0, FP16_UnfusedOptimizer) whose inner torch Adam steps the masters of all ``params``; else None (flat
-    masters, ZeRO partitions, another optimizer). The masters' Adam state is then the one to rank by."""
+    """(the inner Adam, {id(param): its float32 master}) when ``optimizer`` is a DeepSpeed wrapper with one
+    master tensor per parameter (``fp16_groups`` and ``fp32_groups`` in step: DeepSpeed 0.19's bf16 at ZeRO 0,
+    FP16_UnfusedOptimizer) whose inner Adam (:func:`not_an_adam`) steps the masters of all ``params``; else
+    None (flat masters, ZeRO partitions, another optimizer). The masters' Adam state is then the one to rank
+    by."""
     inner = getattr(optimizer, "optimizer", None)
     low, high = getattr(optimizer, "fp16_groups", None), getattr(optimizer, "fp32_groups", None)
-    if inner is None or not_torch_adam(inner) is not None or not low or not isinstance(high, list):
+    if inner is None or not_an_adam(inner) is not None or not low or not isinstance(high, list):
         return None
     pairs = {}
     for lg, hg in zip(low, high):
@@ -75,15 +90,23 @@ class UpdateScore:
             if a < b:
                 self.parts.append((params[i], a - lo, b - lo, a - start))
 
-    def beta2(self, p: torch.Tensor) -> float:
-        """``p``'s beta2, read from its group now. The map is rebuilt whenever the optimizer holds another
-        param_groups list than the one it was built from: torch's ``load_state_dict`` installs new group
-        dicts (a checkpoint's betas), and the old ones would go on answering with the betas of before."""
+    def group(self, p: torch.Tensor) -> dict:
+        """``p``'s param group now (its betas and bias correction are read at every call). The map is rebuilt
+        whenever the optimizer holds another param_groups list than the one it was built from: torch's
+        ``load_state_dict`` installs new group dicts (a checkpoint's betas), and the old ones would go on
+        answering with the betas of before."""
         groups = self.optimizer.param_groups
         if groups is not self._group_of:
             self._group = {id(q): g for g in groups for q in g["params"]}
             self._group_of = groups
-        return float(self._group[id(self._masters.get(id(p), p))]["betas"][1])
+        return self._group[id(self._masters.get(id(p), p))]
+
+    def bias_correction(self, p: torch.Tensor, steps: float) -> float:
+        """1 / (1 - beta2^steps), or 1 where the group turns the correction off (DeepSpeed's Adams)."""
+        group = self.group(p)
+        if not group.get("bias_correction", True):
+            return 1.0
+        return 1.0 / (1.0 - float(group["betas"][1]) ** steps)
 
     @torch.no_grad()
     def __call__(self, v: torch.Tensor, out: torch.Tensor, a: int, b: int) -> torch.Tensor:
@@ -100,7 +123,7 @@ class UpdateScore:
             if FROZEN_KEY in st:  # adam_variance frozen: the v-hat the steps divide by (bias-corrected)
                 full, scale = st[FROZEN_KEY], 1.0
             else:
-                full, scale = st["exp_avg_sq"], 1.0 / (1.0 - self.beta2(p) ** steps)
+                full, scale = st["exp_avg_sq"], self.bias_correction(p, steps)
             moment = full.reshape(-1)[offset + lo - start: offset + hi - start]  # (hi - lo,)
             floor = full.mean().mul_(FLOOR * scale).clamp_(min=1e-38)  # 0-dim, on the device: no host sync
             update_score(v[lo:hi], moment, scale, floor, out[lo:hi])  # one fused pass on the CPU
@@ -111,7 +134,7 @@ def build_update_score(config, optimizer, params: list, layout) -> Optional[Upda
     """The score ``select_by`` asks for: an :class:`UpdateScore`, or None to rank by |v|.
 
     ``auto``: update where it can be (an element-selecting method that reads magnitudes, topk or
-    bayes_prior, and a wrapped torch Adam/AdamW stepping the reduced tensors themselves, or their
+    bayes_prior, and a wrapped Adam (:func:`not_an_adam`) stepping the reduced tensors themselves, or their
     per-parameter masters: :func:`per_param_masters`), else magnitude. ``update`` where it cannot be raises
     a ConfigError naming the reason."""
     if config.select_by == "magnitude" or config.method not in ("topk", "bayes_prior"):
@@ -122,8 +145,9 @@ def build_update_score(config, optimizer, params: list, layout) -> Optional[Upda
     if why is not None:
         if config.select_by == "update":
             raise ConfigError(f"{COMPRESSION_SECTION}.select_by='update': {why}; allowed: 'update' with a "
-                              "torch.optim.Adam or AdamW that steps the reduced parameters (or their per-parameter "
-                              "masters inside DeepSpeed's bf16 wrapper), else 'auto' or 'magnitude'")
+                              "torch.optim.Adam/AdamW, DeepSpeed's FusedAdam or DeepSpeedCPUAdam that steps the "
+                              "reduced parameters (or their per-parameter masters inside DeepSpeed's bf16 wrapper), "
+                              "else 'auto' or 'magnitude'")
         log.info("CompressedOptimizer: select_by auto -> magnitude (%s)", why)
         return None
     if masters is not None:
