@@ -40,8 +40,10 @@ def _link(g: float) -> str:
     return f"{g * 1000:g} Mbit/s" if g < 1 else f"{g:g} Gbit/s"
 
 
-def pays_table(method: str = "bayes_prior", density: float = 0.01) -> str:
-    """Markdown table of the model's speedup and verdict: rows (elements, link), columns ranks."""
+def pays_table(method: str = "bayes_prior", density: float = 0.01, zero_stage: int = 0, backend: str = "gloo") -> str:
+    """Markdown table of the model's speedup and verdict: rows (elements, link), columns ranks (``zero_stage``
+    1: under DeepSpeed's ZeRO-1, whose parameter all-gather both sides pay; ``backend`` prices its
+    reduce-scatter)."""
     from ds_xc.compression.pays import verdict
     lines = ["| elements | link | " + " | ".join(f"{p} ranks" for p in RANKS) + " |",
              "|---|---|" + "---|" * len(RANKS)]
@@ -49,7 +51,7 @@ def pays_table(method: str = "bayes_prior", density: float = 0.01) -> str:
         for g in LINKS:
             cells = []
             for p in RANKS:
-                v = verdict(n, p, g, method, density)
+                v = verdict(n, p, g, method, density, zero_stage=zero_stage, backend=backend)
                 cells.append(f"{v.speedup:.3g}x {v.verdict}")
             lines.append(f"| 10^{len(str(n)) - 1} | {_link(g)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -133,7 +135,8 @@ def fit_from_netns(density: float = 0.01) -> tuple:
     rows = []
     for (name, gbit, variant), (ns, t, wire) in total.items():
         beyond = ns if variant == "dense" else ns - fit["dense_ns"]
-        rows.append(f"| {name} | {_link(gbit)} | {variant} | {1e3 * t:.1f} | {1e3 * wire:.1f} | {ns:.2f} | {beyond:.2f} |")
+        rows.append(f"| {name} | {_link(gbit)} | {variant} | {1e3 * t:.1f} | {1e3 * wire:.1f} | {ns:.2f} "
+                    f"| {beyond:.2f} |")
         if variant != "dense":
             fit.setdefault(f"{variant}_ns", []).append(beyond)
     return {k: (v if k == "dense_ns" else statistics.mean(v)) for k, v in fit.items()}, rows
@@ -189,13 +192,23 @@ def calibrate(density: float, steps: int, repeats: int = 2, sizes=(10**6, 10**7)
 
 def render(density: float) -> str:
     parts = ["# When gradient compression pays: the cost model's verdicts", "",
-             "- command: `python benchmarks/compression_pays.py`" + (f" --density {density}" if density != 0.01 else ""),
+             "- command: `python benchmarks/compression_pays.py`"
+             + (f" --density {density}" if density != 0.01 else ""),
              f"- ds_xc at git {git_rev(('ds_xc', 'benchmarks'))}",
              "- model: ds_xc/cost/compression.py with its default Calibration, latency "
              "50 us per ring step; speedup = t_dense / t_compressed of one step's reduction; "
              "pays >= 1.25x, does not pay < 1.0x", ""]
     for method in METHODS:
         parts += [f"## {method}, density {density}", "", pays_table(method, density), ""]
+    zero = {"gloo": "gloo runs it as an all-reduce of the gradient",
+            "nccl": ("NCCL's moves half an all-reduce's bytes; the compute constants are still this CPU machine's "
+                     "(a GPU selects faster: pass your own Calibration)")}
+    for backend, scatter in zero.items():
+        parts += [f"## bayes_prior, density {density}, under ZeRO-1 ({backend})", "",
+                  ("DeepSpeed's ZeRO-1 step all-gathers the updated fp32 parameters (4 bytes per element) whether "
+                   f"the gradients were compressed or not, and its dense reduction is a reduce-scatter ({scatter}): "
+                   "both sides pay the all-gather (ds_xc/cost/compression.py)."), "",
+                  pays_table("bayes_prior", density, zero_stage=1, backend=backend), ""]
     parts += ["## The model against measured reductions (2 ranks, tc-shaped veth)", "",
               ("The compute constants were fitted to these rows (compression_pays_calibration.md, A): the "
                "errors are in-sample. The dense row at 1 Gbit/s is 0% by construction."), "",

@@ -238,6 +238,7 @@ def test_docs_table_is_the_commands_output():
     with open(os.path.join(ROOT, "docs", "compression.md")) as fh:
         docs = fh.read()
     assert compression_pays.pays_table("bayes_prior", 0.01) in docs
+    assert compression_pays.pays_table("bayes_prior", 0.01, zero_stage=1, backend="gloo") in docs
     with open(os.path.join(ROOT, "benchmarks", "results", "compression_pays.md")) as fh:
         recorded = fh.read()
 

@@ -39,7 +39,7 @@ from ds_xc.compression.exact import exact_mean_
 from ds_xc.compression.frozen_adam import frozen_variance_step, unsupported_reason
 from ds_xc.compression.layout import gather_flat, plan_layout, scatter_flat
 from ds_xc.compression.momentum import MomentumCorrection
-from ds_xc.compression.pays import StepCheck, check_config
+from ds_xc.compression.pays import StepCheck, check_config, exchange
 from ds_xc.compression.powersgd import LowRankSteps
 from ds_xc.compression.score import build_update_score
 from ds_xc.compression.seeds import mix_seed, seeded_generator
@@ -146,9 +146,10 @@ class CompressedOptimizer(CompressionState, ReductionSteps, LowRankSteps, torch.
             log.warning("%s.prior.form='dirichlet' with prior.strength=0.0 (preset 'tuned''s default): no budget is "
                         "spent on exploration, so the form changes nothing; set prior.strength in (0, 1) (e.g. 0.1, "
                         "or preset 'paper') to explore", COMPRESSION_SECTION)  # not an error: each value is valid alone
-        check_config(cfg, self.layout.numel, self.world_size, self.nodes is not None)  # warns if it does not pay
+        where = exchange(optimizer, group)  # ZeRO-1's parameter all-gather and the backend, in both checks
+        self.pays_verdict = check_config(cfg, self.layout.numel, self.world_size, self.nodes is not None, **where)
         self.step_check = StepCheck(cfg, [self._params[i] for i in self.layout.sparse], self.world_size,  # the step
-                                    self.warmup_steps + cfg.density_warmup_steps, self.nodes is not None)
+                                    self.warmup_steps + cfg.density_warmup_steps, self.nodes is not None, **where)
 
     @staticmethod
     def _resolve_adam_variance(cfg: GradientCompressionConfig, optimizer) -> bool:

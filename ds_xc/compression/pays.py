@@ -33,8 +33,8 @@ from ds_xc.cost.compression_step import StepVerdict, Table, step_verdict, steps_
 
 log = logging.getLogger(__name__)
 
-__all__ = ["verdict", "Verdict", "Calibration", "break_even_gbit", "check_config", "paying_density", "PAYS_AT",
-           "BREAK_EVEN", "StepCheck", "StepVerdict", "MEASURE_STEPS", "SETTLE_STEPS"]
+__all__ = ["verdict", "Verdict", "Calibration", "break_even_gbit", "exchange", "check_config", "paying_density",
+           "PAYS_AT", "BREAK_EVEN", "StepCheck", "StepVerdict", "MEASURE_STEPS", "SETTLE_STEPS"]
 
 MEASURE_STEPS = 20  # compressed steps the step check times (medians)
 SETTLE_STEPS = 5  # compressed steps after the warm-ups left out first (allocation, first syncs)
@@ -48,10 +48,10 @@ def paying_density(v: Verdict, target: float = PAYS_AT, *, latency_s: float = DE
     density: the pairs or values), so two evaluations give the line (randomk's deduplication
     bends it a little: an approximation)."""
     dense_s = v.dense.total_s
-    at = verdict(v.numel, v.world_size, v.link_gbit_per_s, v.method, v.density, latency_s=latency_s,
-                 value_bytes=v.value_bytes, calibration=calibration).compressed.total_s
-    floor = verdict(v.numel, v.world_size, v.link_gbit_per_s, v.method, 1e-12, latency_s=latency_s,
-                    value_bytes=v.value_bytes, calibration=calibration).compressed.total_s
+    same = dict(latency_s=latency_s, value_bytes=v.value_bytes, calibration=calibration, zero_stage=v.zero_stage,
+                backend=v.backend)
+    at = verdict(v.numel, v.world_size, v.link_gbit_per_s, v.method, v.density, **same).compressed.total_s
+    floor = verdict(v.numel, v.world_size, v.link_gbit_per_s, v.method, 1e-12, **same).compressed.total_s
     goal = dense_s / target
     if floor >= goal or v.density <= 0:
         return None
@@ -63,7 +63,7 @@ def _advice(v: Verdict, calibration: Optional[Calibration]) -> str:
     """What to do about a configuration that does not pay: method none, a density that would pay,
     or another method that would (its accuracy is another matter: docs/compression.md, Results)."""
     others = [verdict(v.numel, v.world_size, v.link_gbit_per_s, m, v.density, value_bytes=v.value_bytes,
-                      calibration=calibration)
+                      calibration=calibration, zero_stage=v.zero_stage, backend=v.backend)
               for m in METHODS if m != v.method]
     best = max(others, key=lambda o: o.speedup)
     other = (f"; or method '{best.method}' (predicted {best.speedup:.2f}x at this density)"
@@ -77,13 +77,26 @@ def _advice(v: Verdict, calibration: Optional[Calibration]) -> str:
         return (f"set method 'none' (dense); no density reaches {PAYS_AT}x, a density <= {d_even:.2g} "
                 "only breaks even" + other)
     return (f"set method 'none' (dense): no density pays, the compressed path's compute alone "
-            f"({1e3 * v.compressed.compute_s:.3g} ms) costs more than the dense all-reduce" + other)
+            f"({1e3 * v.compressed.compute_s:.3g} ms) costs more than the dense reduction it replaces" + other)
+
+
+def exchange(optimizer, group=None) -> dict:
+    """What the checks model besides the elements: ``zero_stage`` 1 when ``optimizer`` feeds DeepSpeed's
+    ZeRO-1 step (ds_xc.compression.zero.ZeroStep says so), and the ``backend`` of ``group`` (nccl, else
+    gloo's costs)."""
+    backend = "gloo"
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        backend = "nccl" if str(torch.distributed.get_backend(group)).lower() == "nccl" else "gloo"
+    return {"zero_stage": 1 if getattr(optimizer, "zero_stage", 0) == 1 else 0, "backend": backend}
 
 
 def check_config(cfg: GradientCompressionConfig, numel: int, world_size: int, hierarchical: bool = False,
-                 calibration: Optional[Calibration] = None) -> Optional[Verdict]:
+                 calibration: Optional[Calibration] = None, *, zero_stage: int = 0,
+                 backend: str = "gloo") -> Optional[Verdict]:
     """Log whether compressing ``numel`` elements over ``world_size`` ranks pays on the configured
-    link (WARNING when it does not); returns the verdict, or None when nothing was judged."""
+    link (WARNING when it does not); returns the verdict, or None when nothing was judged.
+    ``zero_stage`` 1: the wrapper feeds DeepSpeed's ZeRO-1 step, whose parameter all-gather both
+    sides pay (ds_xc.cost.compression); ``backend``: the group's, gloo or nccl."""
     if not cfg.enabled or numel == 0:
         return None
     field = "gradient_compression.link_gbit_per_s"
@@ -100,10 +113,12 @@ def check_config(cfg: GradientCompressionConfig, numel: int, world_size: int, hi
         return None
     vb = 2 if cfg.value_dtype == "bfloat16" else 4
     v = verdict(numel, world_size, cfg.link_gbit_per_s, cfg.method, cfg.density, value_bytes=vb,
-                calibration=calibration)
+                calibration=calibration, zero_stage=zero_stage, backend=backend)
+    dense, gather = (("dense all-reduce", "") if zero_stage == 0 else
+                     ("ZeRO-1 dense reduce-scatter", " (both with ZeRO-1's parameter all-gather)"))
     numbers = (f"{numel:,} compressed elements, {world_size} ranks, link {cfg.link_gbit_per_s:g} Gbit/s ({field}): "
-               f"predicted dense all-reduce {v.dense_ms:.3g} ms vs {cfg.method} at density {cfg.density:g} "
-               f"{v.compressed_ms:.3g} ms per step (speedup {v.speedup:.2f}x)")
+               f"predicted {dense} {v.dense_ms:.3g} ms vs {cfg.method} at density {cfg.density:g} "
+               f"{v.compressed_ms:.3g} ms per step{gather} (speedup {v.speedup:.2f}x)")
     if v.verdict == "does not pay":
         log.warning("gradient compression does not pay here: %s; %s. The model is calibrated on a 2-core CPU "
                     "machine (docs/compression.md, 'When compression pays').", numbers, _advice(v, calibration))
@@ -124,12 +139,14 @@ class StepCheck:
     the DDP hook) has no separate time, so that ends the check at DEBUG. Each rank judges its own
     measurements and its own rows: nothing is communicated. ``steps_factor`` (the extra steps
     compression needs to the same accuracy) defaults to the method's measured one
-    (ds_xc.cost.compression_step.steps_factor)."""
+    (ds_xc.cost.compression_step.steps_factor). ``zero_stage`` 1: the exact reduction is ZeRO-1's
+    dense reduce-scatter on ``backend`` (its parameter all-gather is in both steps)."""
 
     def __init__(self, cfg: GradientCompressionConfig, tensors: Sequence[torch.Tensor], world_size: int,
                  start: int, hierarchical: bool = False, calibration: Optional[Calibration] = None,
-                 steps_factor: Optional[float] = None):
+                 steps_factor: Optional[float] = None, *, zero_stage: int = 0, backend: str = "gloo"):
         self.cfg, self.world_size, self.calibration = cfg, world_size, calibration
+        self.zero_stage, self.backend = zero_stage, backend
         self.steps_factor = steps_factor if steps_factor is not None else method_steps_factor(cfg.method)
         self.tensors = list(tensors)
         self.start = start + SETTLE_STEPS
@@ -193,7 +210,8 @@ class StepCheck:
         cfg = self.cfg
         link = Link.gbit(cfg.link_gbit_per_s, DEFAULT_LATENCY_S)
         v = step_verdict(step_s, compressed_s, self._dense_numel, self.tables, self.world_size, link,
-                         steps_factor=self.steps_factor, calibration=self.calibration)
+                         steps_factor=self.steps_factor, calibration=self.calibration, zero_stage=self.zero_stage,
+                         backend=self.backend)
         self.verdict = v
         as_rows = v.exact.as_rows
         rows = (f"; {len(as_rows)} table(s) as their {sum(t.nonzero_rows for t in as_rows):,} nonzero rows, "

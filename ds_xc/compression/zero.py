@@ -36,6 +36,8 @@ class ZeroStep:
     ``.grad`` and runs the ZeRO optimizer's own (unshadowed) step; everything else is the ZeRO
     optimizer's (``param_groups`` are its flat fp32 partitions, so learning rates stay shared)."""
 
+    zero_stage = 1  # the pays checks model ZeRO-1's parameter all-gather on both sides (ds_xc.compression.pays)
+
     def __init__(self, zero_optimizer):
         self.zero = zero_optimizer
         self.param_groups = zero_optimizer.param_groups

@@ -38,6 +38,15 @@ Per element and with alpha = 0, the two are equal at the link speed (Gbit/s, c i
 (:func:`break_even_gbit`): compression pays below B*, not above; N drops out, so the model size
 matters only through the latency terms and the header.
 
+Under ZeRO stage 1 (``zero_stage=1``) both sides change. DeepSpeed's dense reduction is then
+the ZeRO optimizer's (a reduce-scatter of the 4N gradient bytes; gloo runs it as an all-reduce, see
+:mod:`ds_xc.cost.comm`), and every step ends with an all-gather of the updated fp32 parameters, 4N
+bytes, compressed or not (ds_xc/compression/zero.py: the compressed mean feeds DeepSpeed's own
+step). Each side gains that all-gather, (P-1) (alpha + 4N / (P beta)), so the speedup is bounded
+by (t_dense + t_gather) / t_gather, 2 to 3x for large N, however slow the link. B* stays where it
+is on gloo (the same time added to both sides) and halves about with NCCL, whose reduce-scatter moves
+half an all-reduce's bytes.
+
 Verdict: speedup = t_dense / t_compressed; ``pays`` at >= :data:`PAYS_AT` (1.25), ``does not pay``
 below :data:`BREAK_EVEN` (1.0), ``marginal`` between.
 """
@@ -50,7 +59,8 @@ from typing import Optional
 from ds_xc.cost.comm import Collective, Link, collective_time, wire_bytes
 
 __all__ = ["Calibration", "DEFAULT_CALIBRATION", "ReductionTime", "Verdict", "reduction_collectives",
-           "reduction_time", "verdict", "break_even_gbit", "METHODS", "PAYS_AT", "BREAK_EVEN", "DEFAULT_LATENCY_S", "BLOCK"]
+           "reduction_time", "verdict", "break_even_gbit", "METHODS", "PAYS_AT", "BREAK_EVEN", "DEFAULT_LATENCY_S",
+           "BLOCK"]
 
 METHODS = ("topk", "randomk", "bayes_prior")
 PAYS_AT = 1.25  # speedup from which compression "pays"
@@ -115,6 +125,8 @@ class Verdict:
     dense: ReductionTime
     compressed: ReductionTime
     value_bytes: int = 4
+    zero_stage: int = 0  # 1: both sides include ZeRO-1's parameter all-gather (module docstring)
+    backend: str = "gloo"
 
     @property
     def dense_ms(self) -> float:
@@ -143,16 +155,20 @@ def _check_method(method: str) -> None:
 
 
 def reduction_collectives(numel: int, world_size: int, method: str = "none", density: float = 0.01,
-                          value_bytes: int = 4) -> list:
+                          value_bytes: int = 4, zero_stage: int = 0) -> list:
     """The collectives of one reduction of ``numel`` fp32 elements over ``world_size`` ranks, with
-    the transport's byte counts (``method`` ``none``: the dense all-reduce)."""
+    the transport's byte counts (``method`` ``none``: the dense all-reduce; ``zero_stage`` 1: ZeRO-1's
+    reduce-scatter instead, and the parameters' all-gather on both sides, module docstring)."""
     if not isinstance(numel, int) or numel < 0:
         raise ValueError(f"numel: got {numel!r}; must be an int >= 0")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size: got {world_size!r}; must be an int >= 1")
+    if zero_stage not in (0, 1):
+        raise ValueError(f"zero_stage: got {zero_stage!r}; allowed: 0, 1 (compression refuses ZeRO-2 and -3)")
     p = world_size
+    gather = [Collective("params", "all_gather", p, 4 * numel)] if zero_stage == 1 else []
     if method == "none":
-        return [Collective("dense_grads", "all_reduce", p, 4 * numel)]
+        return [Collective("dense_grads", "reduce_scatter" if zero_stage == 1 else "all_reduce", p, 4 * numel)] + gather
     _check_method(method)
     if not 0.0 < density <= 1.0:
         raise ValueError(f"density: got {density!r}; allowed: (0, 1]")
@@ -160,32 +176,36 @@ def reduction_collectives(numel: int, world_size: int, method: str = "none", den
         raise ValueError(f"value_bytes: got {value_bytes!r}; allowed: 2 (bfloat16), 4 (float32)")
     if method == "randomk":  # k = round(d N) draws with replacement, deduplicated
         m = numel * (1.0 - math.exp(-density))
-        return [Collective("values", "all_reduce", p, int(round(value_bytes * m)))]
+        return [Collective("values", "all_reduce", p, int(round(value_bytes * m)))] + gather
     m = density * numel  # topk exactly, bayes_prior in expectation
     header = 4 * -(-numel // BLOCK)  # (blocks,) int32
     # all_gather: nbytes is the whole output, P blocks of one rank's message
     return [Collective("header", "all_gather", p, p * header),
-            Collective("pairs", "all_gather", p, p * int(round(m * (_INDEX_BYTES + value_bytes))))]
+            Collective("pairs", "all_gather", p, p * int(round(m * (_INDEX_BYTES + value_bytes))))] + gather
 
 
 def reduction_time(numel: int, world_size: int, link: Link, method: str = "none", density: float = 0.01,
-                   value_bytes: int = 4, calibration: Optional[Calibration] = None) -> ReductionTime:
-    """Seconds of one reduction (see the module docstring); one rank: no communication at all."""
+                   value_bytes: int = 4, calibration: Optional[Calibration] = None, *, zero_stage: int = 0,
+                   backend: str = "gloo") -> ReductionTime:
+    """Seconds of one reduction (see the module docstring); one rank: no communication at all.
+    ``backend`` (gloo, nccl) decides what a reduce-scatter costs (:func:`ds_xc.cost.comm.ring_steps`)."""
     cal = DEFAULT_CALIBRATION if calibration is None else calibration
-    colls = reduction_collectives(numel, world_size, method, density, value_bytes)
+    colls = reduction_collectives(numel, world_size, method, density, value_bytes, zero_stage)
     if world_size == 1:  # the dense path returns at once; the compressed one still selects
         compute = 0.0 if method == "none" else (cal.dense_ns + cal.method_ns(method)) * 1e-9 * numel
         return ReductionTime(0.0, compute, 0.0)
-    comm = sum(collective_time(c, link) for c in colls)
+    comm = sum(collective_time(c, link, backend=backend) for c in colls)
     ns = cal.dense_ns + (0.0 if method == "none" else cal.method_ns(method))
-    return ReductionTime(comm, ns * 1e-9 * numel, sum(wire_bytes(c) for c in colls))
+    return ReductionTime(comm, ns * 1e-9 * numel, sum(wire_bytes(c, backend=backend) for c in colls))
 
 
 def verdict(numel: int, world_size: int, link_gbit_per_s: float, method: str = "bayes_prior",
             density: float = 0.01, *, latency_s: float = DEFAULT_LATENCY_S, value_bytes: int = 4,
-            calibration: Optional[Calibration] = None) -> Verdict:
+            calibration: Optional[Calibration] = None, zero_stage: int = 0, backend: str = "gloo") -> Verdict:
     """Does compressing ``numel`` gradient elements with ``method`` at ``density`` pay over
     ``world_size`` ranks joined by a ``link_gbit_per_s`` link (``latency_s`` per ring step)?
+    ``zero_stage`` 1: under DeepSpeed's ZeRO-1, whose parameter all-gather both sides pay (module
+    docstring); ``backend``: the process group's (what a reduce-scatter costs).
 
     >>> v = verdict(10**8, 4, 0.1, "bayes_prior", 0.01)
     >>> v.verdict, round(v.speedup, 1)
@@ -194,15 +214,18 @@ def verdict(numel: int, world_size: int, link_gbit_per_s: float, method: str = "
     if not (isinstance(link_gbit_per_s, (int, float)) and math.isfinite(link_gbit_per_s) and link_gbit_per_s > 0):
         raise ValueError(f"link_gbit_per_s: got {link_gbit_per_s!r}; must be a finite number > 0")
     link = Link.gbit(float(link_gbit_per_s), latency_s)
-    dense = reduction_time(numel, world_size, link, "none", calibration=calibration)
-    comp = reduction_time(numel, world_size, link, method, density, value_bytes, calibration)
-    return Verdict(numel, world_size, float(link_gbit_per_s), method, float(density), dense, comp, value_bytes)
+    where = dict(zero_stage=zero_stage, backend=backend)
+    dense = reduction_time(numel, world_size, link, "none", calibration=calibration, **where)
+    comp = reduction_time(numel, world_size, link, method, density, value_bytes, calibration, **where)
+    return Verdict(numel, world_size, float(link_gbit_per_s), method, float(density), dense, comp, value_bytes,
+                   zero_stage, backend)
 
 
 def break_even_gbit(world_size: int, method: str, density: float = 0.01, value_bytes: int = 4,
                     calibration: Optional[Calibration] = None) -> float:
     """The link speed (Gbit/s) at which the compressed reduction takes as long as the dense one,
-    for large N and zero latency (module docstring); inf when the method's compute is 0."""
+    for large N and zero latency (module docstring); inf when the method's compute is 0. Without
+    ZeRO, or ZeRO-1 on gloo (its parameter all-gather adds the same time to both sides)."""
     cal = DEFAULT_CALIBRATION if calibration is None else calibration
     _check_method(method)
     p = world_size

@@ -24,6 +24,10 @@ all-gather, then the sum of P ranks' rows); every other tensor goes dense:
     step speedup   S = (other + exact) / (other + compressed)
     end to end     E = S / f
 
+Under ZeRO stage 1 (``zero_stage=1``) DeepSpeed reduces every gradient densely with its own
+reduce-scatter (rows are refused there: ``topology.sparse_rows`` needs ZeRO 0), and its parameter
+all-gather runs in the step either way, so it is part of ``other`` on both sides.
+
 f is how many more steps compressed training needs to reach the exact run's accuracy, per method
 the fewest measured at the library defaults (:data:`STEPS_FACTORS`, :func:`steps_factor`):
 bayes_prior 1.17 (the text job, 1,400 against 1,200 steps at 1 Gbit/s and 100 Mbit/s; glyphs 1.3),
@@ -38,8 +42,9 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ds_xc.cost.comm import Link
-from ds_xc.cost.compression import BREAK_EVEN, DEFAULT_CALIBRATION, PAYS_AT, Calibration, reduction_time
+from ds_xc.cost.comm import Link, collective_time, wire_bytes
+from ds_xc.cost.compression import (BREAK_EVEN, DEFAULT_CALIBRATION, PAYS_AT, Calibration, reduction_collectives,
+                                    reduction_time)
 from ds_xc.parallel.sparse_rows import INDEX_BYTES, rows_bytes, rows_pay
 
 __all__ = ["STEPS_FACTOR", "STEPS_FACTORS", "steps_factor", "Table", "ExactReduction", "StepVerdict",
@@ -82,22 +87,33 @@ class ExactReduction:
     def total_s(self) -> float:
         return self.comm_s + self.compute_s
 
+    zero_stage: int = 0
+
     @property
     def kind(self) -> str:
+        if self.zero_stage == 1:
+            return "ZeRO-1 dense reduce-scatter"
         return "embedding rows and dense all-reduce" if self.as_rows else "dense all-reduce"
 
 
 def exact_reduction(dense_numel: int, tables: Sequence[Table], world_size: int, link: Link,
-                    calibration: Optional[Calibration] = None) -> ExactReduction:
+                    calibration: Optional[Calibration] = None, *, zero_stage: int = 0,
+                    backend: str = "gloo") -> ExactReduction:
     """The exact mean of ``dense_numel`` elements sent dense and of ``tables``, each as rows where
-    that moves fewer bytes than its ring (``rows_pay``, module docstring). One rank: nothing to reduce."""
+    that moves fewer bytes than its ring (``rows_pay``, module docstring). One rank: nothing to reduce.
+    ``zero_stage`` 1: everything dense, as ZeRO-1's reduce-scatter on ``backend`` (module docstring)."""
     if not isinstance(dense_numel, int) or dense_numel < 0:
         raise ValueError(f"dense_numel: got {dense_numel!r}; must be an int >= 0")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size: got {world_size!r}; must be an int >= 1")
     p, cal = world_size, DEFAULT_CALIBRATION if calibration is None else calibration
     if p == 1:
-        return ExactReduction(0.0, 0.0, 0.0)
+        return ExactReduction(0.0, 0.0, 0.0, (), zero_stage)
+    if zero_stage == 1:  # the reduce-scatter alone: the parameters' all-gather is in the step on both sides
+        numel = dense_numel + sum(t.rows * t.dim for t in tables)
+        scatter = [c for c in reduction_collectives(numel, p, "none", zero_stage=1) if c.name == "dense_grads"]
+        return ExactReduction(sum(collective_time(c, link, backend=backend) for c in scatter),
+                              cal.dense_ns * 1e-9 * numel, sum(wire_bytes(c, backend=backend) for c in scatter), (), 1)
     dense = dense_numel
     comm = compute = sent = 0.0
     as_rows = []
@@ -113,7 +129,7 @@ def exact_reduction(dense_numel: int, tables: Sequence[Table], world_size: int, 
     if dense:  # the ring all-reduce and c_dense per element, as compression.py's dense reduction
         ring = reduction_time(dense, p, link, "none", calibration=cal)
         comm, compute, sent = comm + ring.comm_s, compute + ring.compute_s, sent + ring.bytes_sent
-    return ExactReduction(comm, compute, sent, tuple(as_rows))
+    return ExactReduction(comm, compute, sent, tuple(as_rows))  # zero_stage 0
 
 
 @dataclass(frozen=True)
@@ -159,10 +175,11 @@ class StepVerdict:
 
 
 def step_verdict(step_s: float, compressed_s: float, dense_numel: int, tables: Sequence[Table], world_size: int,
-                 link: Link, *, steps_factor: float = STEPS_FACTOR,
-                 calibration: Optional[Calibration] = None) -> StepVerdict:
+                 link: Link, *, steps_factor: float = STEPS_FACTOR, calibration: Optional[Calibration] = None,
+                 zero_stage: int = 0, backend: str = "gloo") -> StepVerdict:
     """Judge a measured compressed step (``step_s`` seconds, of which ``compressed_s`` the reduction)
-    against the predicted exact reduction of the same gradients on ``link``.
+    against the predicted exact reduction of the same gradients on ``link`` (``zero_stage`` 1: DeepSpeed's
+    ZeRO-1 reduce-scatter, see :func:`exact_reduction`).
 
     The default job at 1 Gbit/s (measured 135.5 ms a step, 43.4 of them the reduction; 569 of the
     20,001 rows of its table looked up; 0.36 M other elements):
@@ -177,5 +194,5 @@ def step_verdict(step_s: float, compressed_s: float, dense_numel: int, tables: S
             raise ValueError(f"{name}: got {value!r}; must be a finite number >= 0")
     if steps_factor <= 0:
         raise ValueError(f"steps_factor: got {steps_factor!r}; must be > 0")
-    exact = exact_reduction(dense_numel, tables, world_size, link, calibration)
+    exact = exact_reduction(dense_numel, tables, world_size, link, calibration, zero_stage=zero_stage, backend=backend)
     return StepVerdict(float(step_s), float(min(compressed_s, step_s)), exact, float(steps_factor))
