@@ -98,6 +98,7 @@ def main(argv=None) -> dict:
         if args.seed is not None:
             section.setdefault("seed", args.seed)
         comp = attach_to_engine(xc.engine, section)
+        xc.compression = comp  # XCEngine's non-finite check and skip must know it (ZeRO-1: .grad stays local)
     micro, gas = xc.engine.train_micro_batch_size_per_gpu(), xc.engine.gradient_accumulation_steps()
     cast = torch.bfloat16 if xc.engine.bfloat16_enabled() and data.input_kind in ("dense", "image") else None
 
