@@ -79,8 +79,15 @@ class GradientCompressionConfig(Section):
         "wrapped Adam(W)'s bias-corrected second moment, i.e. the size of the step the pending value would make, so "
         "a small consistent gradient is not starved by large noisy ones (ds_xc/compression/score.py); auto = update "
         "with an Adam (torch's Adam/AdamW, DeepSpeed's FusedAdam or DeepSpeedCPUAdam) that steps the reduced "
-        "tensors (or their per-parameter fp32 masters, DeepSpeed's bf16 at ZeRO 0), else magnitude (ZeRO-1 "
-        "partitions the Adam state). update needs method topk or bayes_prior.")
+        "tensors (or their per-parameter fp32 masters, DeepSpeed's bf16 at ZeRO 0, or its partitions under ZeRO "
+        "stage 1, gathered every score_sync_interval steps), else magnitude. update needs method topk or "
+        "bayes_prior.")
+    score_sync_interval: int = Field(
+        64, ge=1, le=1 << 20, description="select_by update under ZeRO stage 1, whose Adam second moment is "
+        "partitioned: Adam steps between all-gathers of it into the full-size snapshot the score divides by (at "
+        "every power of two up to this many, then every this many steps); 1 = every step, ranking exactly as "
+        "without ZeRO at 4 bytes per element a step; larger = a v-hat up to this many steps old, 4 bytes per "
+        "element per interval (ds_xc/compression/zero_score.py).")
     warmup_steps: Optional[int] = Field(None, ge=0, description="Optimizer steps reduced densely before compression "
                                         "starts. Default (null): ADAM_WARMUP_STEPS when the wrapped optimizer's "
                                         "variance is frozen (adam_variance auto or frozen), whose estimate the "

@@ -120,7 +120,8 @@ def test_zero1_topk_step_equals_the_float64_reference(pools, world, clip, moment
     """gradient_clipping: ZeRO-1 clips the compressed mean (the global norm over the partitions).
     momentum None: momentum_correction at its default, AdamW's beta1 (0.9) moved into the velocity."""
     steps = 3
-    comp = dict(TOPK) if momentum is None else dict(TOPK, momentum_correction=momentum)
+    comp = dict(TOPK, select_by="magnitude")  # the reference ranks by |v| (update: test_compression_zero_score.py)
+    comp = comp if momentum is None else dict(comp, momentum_correction=momentum)
     res = pools(world).run(_run, 1, comp, steps, clip)
     m = 0.9 if momentum is None else momentum
     expected, residual = _reference_topk(world, steps, TOPK["density"], TOPK["min_numel"], clip, m)
@@ -286,7 +287,7 @@ def _xc_config(stage):
             "gradient_clipping": 0.0, "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
             "gradient_compression": {"method": "bayes_prior", "density": 0.2, "min_numel": 64,
                                      "stats_sync_interval": 2, "adam_variance": "live",  # as ZeRO-1 (its step)
-                                     "select_by": "magnitude"},  # as ZeRO-1 (its Adam state is partitioned)
+                                     "select_by": "magnitude"},  # ZeRO-1's update score: test_compression_zero_score.py
             "extreme_classification": {"num_classes": C, "embedding_dim": D, "sampler": {"type": "full"},
                                        "loss": {"type": "arcface", "scale": 8.0, "margin": 0.2}, "init_std": 0.5,
                                        "seed": SEED, "optimizer": {"type": "adamw", "lr": 0.05}}}

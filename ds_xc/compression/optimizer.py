@@ -113,7 +113,7 @@ class CompressedOptimizer(CompressionState, ReductionSteps, LowRankSteps, torch.
         self.layout = plan_layout(self._params, cfg.min_numel, cfg.enabled, *local,
                                   per_tensor=cfg.granularity == "tensor",
                                   min_dim=self.compressor.min_dim if self.compressor is not None else 1)
-        self._update_score = build_update_score(cfg, optimizer, self._params, self.layout)  # select_by
+        self._update_score = build_update_score(cfg, optimizer, self._params, self.layout, self.state, group)
         self.momentum_correction = MomentumCorrection(  # the velocity u, and who applies the momentum
             cfg.momentum_correction, optimizer, [self._params[i] for i in self.layout.sparse], self._params,
             self.compressor is not None and cfg.error_feedback and not self.compressor.low_rank)

@@ -31,6 +31,7 @@ import torch
 
 from ds_xc.compression.frozen_adam import FROZEN_KEY, steps_other_tensors
 from ds_xc.compression.momentum import is_adam
+from ds_xc.compression.zero_score import ZeroVariance, zero_variance_unsupported
 from ds_xc.config_base import COMPRESSION_SECTION, ConfigError
 from ds_xc_ops.score import update_score
 
@@ -108,6 +109,13 @@ class UpdateScore:
             return 1.0
         return 1.0 / (1.0 - float(group["betas"][1]) ** steps)
 
+    def prepare(self, counter=None) -> None:
+        """At the start of every reduction, on every rank: lets a source that gathers its state do so
+        (ZeRO-1's partitions, zero_score.py; a collective when due)."""
+        refresh = getattr(self.optimizer, "refresh_if_due", None)
+        if refresh is not None:
+            refresh(counter)
+
     @torch.no_grad()
     def __call__(self, v: torch.Tensor, out: torch.Tensor, a: int, b: int) -> torch.Tensor:
         """Write the score of region positions [a, b) of ``v`` (s,) into ``out`` (s,); returns ``out``."""
@@ -130,18 +138,28 @@ class UpdateScore:
         return out
 
 
-def build_update_score(config, optimizer, params: list, layout) -> Optional[UpdateScore]:
+def build_update_score(config, optimizer, params: list, layout, store=None, group=None) -> Optional[UpdateScore]:
     """The score ``select_by`` asks for: an :class:`UpdateScore`, or None to rank by |v|.
 
     ``auto``: update where it can be (an element-selecting method that reads magnitudes, topk or
     bayes_prior, and a wrapped Adam (:func:`not_an_adam`) stepping the reduced tensors themselves, or their
-    per-parameter masters: :func:`per_param_masters`), else magnitude. ``update`` where it cannot be raises
-    a ConfigError naming the reason."""
+    per-parameter masters: :func:`per_param_masters`, or ZeRO-1's partitions, gathered into ``store``, the
+    wrapper's per-parameter state, over ``group``: zero_score.py), else magnitude. ``update`` where it
+    cannot be raises a ConfigError naming the reason."""
     if config.select_by == "magnitude" or config.method not in ("topk", "bayes_prior"):
         return None
     compressed = [params[i] for i in layout.sparse]
-    masters = per_param_masters(optimizer, compressed)  # DeepSpeed's bf16 at ZeRO 0: rank by the masters' state
-    why = None if masters is not None else update_score_unsupported(optimizer, compressed)
+    if getattr(optimizer, "zero_stage", 0) == 1 and store is not None:  # ZeroStep (zero.py)
+        why = zero_variance_unsupported(optimizer.zero, compressed, group)
+        if why is None:
+            log.info("CompressedOptimizer: select_by %s under ZeRO-1, by the partitioned Adam state gathered every "
+                     "%d steps", config.select_by, config.score_sync_interval)
+            source = ZeroVariance(optimizer.zero, compressed, store, group, config.score_sync_interval)
+            return UpdateScore(source, params, layout)
+        masters = None
+    else:
+        masters = per_param_masters(optimizer, compressed)  # DeepSpeed's bf16 at ZeRO 0: the masters' state
+        why = None if masters is not None else update_score_unsupported(optimizer, compressed)
     if why is not None:
         if config.select_by == "update":
             raise ConfigError(f"{COMPRESSION_SECTION}.select_by='update': {why}; allowed: 'update' with a "

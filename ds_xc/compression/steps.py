@@ -79,6 +79,8 @@ class ReductionSteps:
         """Start this step's reduction (after the backward): the counter snapshot for :meth:`close_step`, and
         the step check's clock (ds_xc.compression.pays.StepCheck)."""
         self.step_check.begin(self._step)
+        if self._update_score is not None:  # ZeRO-1: the Adam state's snapshot, when due (a collective)
+            self._update_score.prepare(self.counter)
         return self.counter.snapshot()
 
     def close_step(self, before: dict, exchange: Optional[tuple] = None, by_hooks: bool = False) -> None:
