@@ -115,3 +115,16 @@ def test_a_resume_between_snapshots_equals_the_uninterrupted_run(pools, tmp_path
         assert b["losses"] == a["losses"][5 * GAS:]
         assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
         assert torch.equal(a["residual"], b["residual"])
+
+
+def test_the_memory_model_counts_the_snapshot_under_zero1():
+    from ds_xc.cost.memory import estimate_memory
+    raw = {"train_micro_batch_size_per_gpu": 8, "extreme_classification": {"num_classes": 100, "embedding_dim": 8},
+           "optimizer": {"type": "AdamW", "params": {"lr": 0.001}}, "gradient_compression": {"method": "topk"}}
+    got = {}
+    for stage, select in ((0, "auto"), (1, "auto"), (1, "magnitude")):
+        cfg = dict(raw, zero_optimization={"stage": stage},
+                   gradient_compression={"method": "topk", "select_by": select})
+        got[stage, select] = estimate_memory(cfg, world_size=2, backbone_params=1000).persistent["compression"]
+    assert got[0, "auto"] == got[1, "magnitude"] == 8 * 1000  # residual + velocity
+    assert got[1, "auto"] == 12 * 1000  # + the fp32 snapshot of v-hat

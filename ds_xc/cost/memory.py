@@ -34,8 +34,11 @@ head_workspace         the scratch the head keeps between steps (ds_xc/head/work
                        (sampled heads); cosine losses with float32/float64 weights: the rows with
                        their factors s/|w| folded in, K d s (K = L for the full sampler)
 compression            4 p (error-feedback residual) + 4 p (the velocity, momentum_correction
-                       null or > 0): an upper bound, tensors below min_numel are not
-                       compressed, and null has no velocity with an optimizer without momentum
+                       null or > 0) + 4 p under ZeRO stage 1 with select_by auto/update and
+                       topk or bayes_prior (the snapshot of Adam's second moment the update
+                       score reads, ds_xc/compression/zero_score.py): an upper bound, tensors
+                       below min_numel are not compressed, null has no velocity with an
+                       optimizer without momentum, and auto has no snapshot without an Adam
 baseline               the process itself (torch + deepspeed imported), measured and passed in
 =====================  ===================================================================
 
@@ -214,7 +217,9 @@ def _compression(raw: dict, params: int) -> dict:
         return {}
     m = c.momentum_correction
     velocity = c.error_feedback and c.method != "powersgd" and (m is None or m > 0)
-    return {"compression": 4 * params * (int(c.error_feedback) + int(velocity))}
+    snapshot = ((raw.get("zero_optimization") or {}).get("stage", 0) == 1 and c.select_by != "magnitude"
+                and c.method in ("topk", "bayes_prior"))
+    return {"compression": 4 * params * (int(c.error_feedback) + int(velocity) + int(snapshot))}
 
 
 def _dense_rows(head: cfg.HeadConfig, sh: _Shape) -> bool:
