@@ -111,9 +111,9 @@ def render(rows: list[dict], args, command: str, started: str, wall: float) -> s
              f"- ds_xc at git {git_rev(('ds_xc', 'launch', 'benchmarks', 'configs'))}",
              f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
              f"torch {rows[0].get('torch', '?') if rows else '?'}",
-             f"- {args.world} ranks on 127.0.0.1 (gloo, {args.threads} thread(s) each), {args.steps} steps per variant, "
-             f"density {args.density}, error feedback on, seed {args.seed}; ZeRO stage 0 for every variant; held-out top-1/top-5 "
-             f"over all classes on up to {args.eval_samples} samples",
+             f"- {args.world} ranks on 127.0.0.1 (gloo, {args.threads} thread(s) each), {args.steps} steps per "
+             f"variant, density {args.density}, error feedback on, seed {args.seed}; ZeRO stage {args.zero_stage} for "
+             f"every variant; held-out top-1/top-5 over all classes on up to {args.eval_samples} samples",
              "- bytes: per rank and step, ring volumes (dense = 2(P-1)/P x gradient bytes); "
              "`1/x` = dense bytes / sent bytes; top-1 delta in points vs dense\n"]
     for task in dict.fromkeys(r["config"] for r in rows):
@@ -159,6 +159,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--eval_every", type=int, default=0,
                    help="also held-out top-1 every N steps (the .json's `curve`; evaluating does not change the "
                    "training); the table reports the last step")
+    p.add_argument("--zero_stage", type=int, default=0, choices=(0, 1), help="zero_optimization.stage of every run")
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--out", default=DEFAULT_OUT, help="markdown file ('-': print only)")
     p.add_argument("--smoke", action="store_true", help="10 steps, print only")
@@ -175,7 +176,8 @@ def main(argv=None) -> list[dict]:
             argv_rank = ["--config", os.path.join(ROOT, config), "--method", method, "--density", str(args.density),
                          "--steps", str(args.steps), "--eval", "--eval_samples", str(args.eval_samples),
                          "--compression", json.dumps(extra), "--seed", str(args.seed),
-                         "--eval_every", str(args.eval_every)] + ["--verify"] * args.verify
+                         "--eval_every", str(args.eval_every), "--zero_stage", str(args.zero_stage)] + \
+                ["--verify"] * args.verify
             res = run_ranks(args.world, argv_rank, args.timeout, threads=args.threads)
             res["variant"] = name.split("=", 1)[0]
             rows.append(res)
