@@ -18,7 +18,7 @@ from ds_xc.cost.comm import Link
 from ds_xc.cost.compression import Calibration, reduction_collectives, verdict
 from ds_xc.cost.compression_step import Table, exact_reduction
 
-from tests.test_compression_zero import GAS, TOPK, _batch, _body, _engine, _loss
+from tests.test_compression_zero import GAS, TOPK, _batch, _engine, _loss
 
 ALPHA = 50e-6
 CAL = Calibration(dense_ns=5.0, bayes_prior_ns=9.0)
