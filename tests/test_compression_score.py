@@ -15,6 +15,8 @@ from ds_xc.compression.frozen_adam import FROZEN_KEY
 from ds_xc.compression.score import FLOOR, UpdateScore
 from ds_xc.config import ConfigError
 
+from tests.test_compression_momentum import _cpu_adam_builds  # whether DeepSpeed's CPU Adam op builds here
+
 IN, HID, OUT = 40, 120, 30  # compressed (min_numel 1000): 40*120 and 120*30 weights; biases dense
 
 
@@ -111,11 +113,6 @@ def test_auto_resolution_and_errors(caplog):
         CompressedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), dict(cfg, select_by="update"))
     with pytest.raises(ConfigError, match=r"gradient_compression.*select_by.*randomk"):
         CompressedOptimizer(torch.optim.AdamW(net.parameters()), dict(cfg, method="randomk", select_by="update"))
-
-
-def _cpu_adam_builds() -> bool:
-    from deepspeed.ops.op_builder import CPUAdamBuilder
-    return CPUAdamBuilder().is_compatible(verbose=False)
 
 
 def _adam(kind, params, **kw):

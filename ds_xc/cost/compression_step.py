@@ -82,12 +82,11 @@ class ExactReduction:
     compute_s: float
     bytes_sent: float
     as_rows: tuple = ()
+    zero_stage: int = 0  # 1: ZeRO-1's dense reduce-scatter (no rows under ZeRO-1)
 
     @property
     def total_s(self) -> float:
         return self.comm_s + self.compute_s
-
-    zero_stage: int = 0
 
     @property
     def kind(self) -> str:
