@@ -15,7 +15,8 @@ barrier per step, evaluations left out). Variants:
 - ``powersgd``: rank 4 (about 1% of the dense bytes on the text task), error feedback;
 - ``bayes_prior``, ``topk``: density 0.01, error feedback, their library defaults.
 
-``--trajectory RUN.json`` re-times a recorded run on other links: each variant trains only
+``--trajectory RUN.json`` re-times a recorded run on other links (``A.json,B.json``: each variant from the
+first file that holds it, the files sharing the target): each variant trains only
 ``--timed_steps`` steps per link (evaluating as the recorded run did: give its ``--eval_every``
 and ``--eval_samples``); its losses must equal the recorded run's bit for bit (the runs
 are deterministic: the link changes the step time, not the numbers), and it reaches the recorded
@@ -96,14 +97,25 @@ def extrapolate(run: dict, leader: dict, target: float, source: str) -> dict:
     return out
 
 
-def recorded(path: str, rate: Optional[str] = None) -> tuple[dict, float, str]:
-    """A time-to-accuracy .json's runs of one link by variant, its target, and the link: ``rate``, or the first
-    one (``--trajectory``: the runs are deterministic, so every link of one file holds the same trajectory and
-    target)."""
-    with open(path) as fh:
-        saved = json.load(fh)
-    rate = rate or next(iter(saved))
-    return {name: r for name, r, _ in saved[rate]["runs"]}, saved[rate]["target"], rate
+def recorded(paths: str, rate: Optional[str] = None) -> tuple[dict, float, str]:
+    """Time-to-accuracy .json files' runs of one link by variant, their target, and the link: ``rate``, or each
+    file's first one (``--trajectory``: the runs are deterministic, so every link of one file holds the same
+    trajectory and target). ``paths`` is one file or several, comma-separated: each variant comes from the
+    first file that holds it (its record gains ``source``, that file's name), and the files must share the
+    target (the same leading run): a run recorded at another revision joins one of this revision only where
+    its variant did not change (timed_link refuses it otherwise)."""
+    runs, target, first_rate = {}, None, None
+    for path in paths.split(","):
+        with open(path) as fh:
+            saved = json.load(fh)
+        link = rate or next(iter(saved))
+        if target is not None and saved[link]["target"] != target:
+            raise SystemExit(f"--trajectory={paths}: {os.path.basename(path)}'s target {saved[link]['target']!r} "
+                             f"differs from {target!r}; allowed: files whose leading run is the same")
+        target, first_rate = saved[link]["target"] if target is None else target, first_rate or link
+        for name, r, _ in saved[link]["runs"]:
+            runs.setdefault(name, dict(r, source=os.path.basename(path)))
+    return runs, target, first_rate
 
 
 def rate_table(rate: str, runs: list, target: float) -> list[str]:
@@ -169,8 +181,9 @@ def main(argv=None) -> str:
                    help="with --target_variant dense_rows: steps DeepSpeed's dense runs to time its step (the same "
                    "mean as dense_rows: its time to the target is extrapolated, see extrapolate)")
     p.add_argument("--trajectory", default=None,
-                   help="a recorded run's .json (the same job, seed and trajectory): each variant then trains only "
-                   "--timed_steps steps per link and reaches the target at its recorded step")
+                   help="a recorded run's .json, or several comma-separated with the same target (the same job, "
+                   "seed and trajectory; each variant from the first file that holds it): each variant then trains "
+                   "only --timed_steps steps per link and reaches the target at its recorded step")
     p.add_argument("--timed_steps", type=int, default=100,
                    help="with --trajectory: the steps each variant is timed over")
     p.add_argument("--max_factor", type=float, default=2.0, help="the others stop at max_factor x steps")
@@ -246,8 +259,7 @@ def timed_link(args, rate: str, names: list[str], port: int, record: tuple) -> t
     runs = []
     for i, name in enumerate(names):
         res, ctr = run_variant(args, name, rate, port + i, args.timed_steps, 0.0)
-        res = extrapolate(res, rec[name], target, f"each one's recorded run ({os.path.basename(args.trajectory)}, "
-                                                   f"{rec_rate})")
+        res = extrapolate(res, rec[name], target, f"each one's recorded run ({rec[name]['source']}, {rec_rate})")
         if res["loss_max_diff"] != 0.0:
             raise SystemExit(f"--trajectory={args.trajectory}: {name}'s losses differ from the recorded run's by "
                              f"{res['loss_max_diff']:.3e} within {args.timed_steps} steps; the recorded steps to the "
@@ -311,7 +323,8 @@ def protocol(args) -> str:
     if args.trajectory:
         return (f"each variant trains {args.timed_steps} steps on each link (evaluating every {args.eval_every} as "
                 f"recorded), its losses equal bit for bit to its run "
-                f"in {os.path.basename(args.trajectory)} (the same trajectory): that run's target, evaluations and "
+                f"in {', '.join(os.path.basename(f) for f in args.trajectory.split(','))} (the same trajectory; with "
+                "several files, each variant from the first that holds it): that run's target, evaluations and "
                 "steps to the target, each evaluation at this link's mean step time (first step excluded) x its step")
     return (f"{args.target_variant} trains {args.steps} steps, its final top-1 is the target; the others stop at the "
             f"first evaluation (every {args.eval_every} steps) that reaches it, or after "

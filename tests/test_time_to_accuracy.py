@@ -62,10 +62,10 @@ def test_dense_extrapolated_from_a_short_run_of_the_same_mean():
     assert any("at most 2.50e-01" in line for line in table)
 
 
-def _recording(tmp_path, runs, target=0.14, rate="100mbit"):
+def _recording(tmp_path, runs, target=0.14, rate="100mbit", name="rec.json"):
     import json
 
-    path = tmp_path / "rec.json"
+    path = tmp_path / name
     path.write_text(json.dumps({rate: {"target": target, "runs": [[n, r, {"tx_bytes": [0, 0]}] for n, r in runs]}}))
     return str(path)
 
@@ -119,3 +119,28 @@ def test_replot_from_the_saved_json(tmp_path, capsys):
     path.write_text(json.dumps({"1gbit": {"target": 0.2, "runs": [["dense_rows", run, {}]]}}))
     tta.replot(str(path))
     assert (tmp_path / "t.png").exists() or "matplotlib is not installed" in capsys.readouterr().out
+
+
+def test_trajectory_from_several_files(tmp_path):
+    """--trajectory A.json,B.json: each variant from the first file that holds it (its source named), one target;
+    files whose targets differ are refused."""
+    tta = _module()
+    rows = _run([(100, 30.0, 0.10), (200, 60.0, 0.14)])
+    new = _run([(100, 40.0, 0.12), (300, 95.0, 0.15)])
+    old = _run([(100, 41.0, 0.11), (200, 70.0, 0.14)])
+    psgd = _run([(100, 35.0, 0.09), (400, 99.0, 0.145)])
+    a = _recording(tmp_path, [("dense_rows", rows), ("bayes_prior", new)], name="a.json")
+    b = _recording(tmp_path, [("dense_rows", rows), ("powersgd", psgd), ("bayes_prior", old)], rate="1gbit",
+                   name="b.json")
+    runs, target, rate = tta.recorded(f"{a},{b}")
+    assert (target, rate) == (0.14, "100mbit") and sorted(runs) == ["bayes_prior", "dense_rows", "powersgd"]
+    assert runs["bayes_prior"]["curve"] == new["curve"] and runs["bayes_prior"]["source"] == "a.json"
+    assert runs["powersgd"]["curve"] == psgd["curve"] and runs["powersgd"]["source"] == "b.json"
+    assert tta.recorded(f"{b},{a}")[0]["bayes_prior"]["curve"] == old["curve"]
+    c = _recording(tmp_path, [("dense_rows", rows)], target=0.15, name="c.json")
+    try:
+        tta.recorded(f"{a},{c}")
+    except SystemExit as e:
+        assert "c.json's target 0.15 differs from 0.14" in str(e)
+    else:
+        raise AssertionError("files with different targets were merged")
