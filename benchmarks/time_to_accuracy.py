@@ -101,7 +101,7 @@ def recorded(paths: str, rate: Optional[str] = None) -> tuple[dict, float, str]:
     """Time-to-accuracy .json files' runs of one link by variant, their target, and the link: ``rate``, or each
     file's first one (``--trajectory``: the runs are deterministic, so every link of one file holds the same
     trajectory and target). ``paths`` is one file or several, comma-separated: each variant comes from the
-    first file that holds it (its record gains ``source``, that file's name), and the files must share the
+    first file that holds it (its record gains ``source``: that file's name and link), and the files must share the
     target (the same leading run): a run recorded at another revision joins one of this revision only where
     its variant did not change (timed_link refuses it otherwise)."""
     runs, target, first_rate = {}, None, None
@@ -114,7 +114,7 @@ def recorded(paths: str, rate: Optional[str] = None) -> tuple[dict, float, str]:
                              f"differs from {target!r}; allowed: files whose leading run is the same")
         target, first_rate = saved[link]["target"] if target is None else target, first_rate or link
         for name, r, _ in saved[link]["runs"]:
-            runs.setdefault(name, dict(r, source=os.path.basename(path)))
+            runs.setdefault(name, dict(r, source=f"{os.path.basename(path)}, {link}"))
     return runs, target, first_rate
 
 
@@ -255,11 +255,11 @@ def timed_link(args, rate: str, names: list[str], port: int, record: tuple) -> t
     evaluates every ``--eval_every`` steps as the recorded run did (those times are left out):
     an evaluation can move later steps by a rounding (the text job's head catches its lazy rows
     up for it), so only the recorded schedule keeps the recorded trajectory."""
-    rec, target, rec_rate = record
+    rec, target, _ = record
     runs = []
     for i, name in enumerate(names):
         res, ctr = run_variant(args, name, rate, port + i, args.timed_steps, 0.0)
-        res = extrapolate(res, rec[name], target, f"each one's recorded run ({rec[name]['source']}, {rec_rate})")
+        res = extrapolate(res, rec[name], target, f"each one's recorded run ({rec[name]['source']})")
         if res["loss_max_diff"] != 0.0:
             raise SystemExit(f"--trajectory={args.trajectory}: {name}'s losses differ from the recorded run's by "
                              f"{res['loss_max_diff']:.3e} within {args.timed_steps} steps; the recorded steps to the "

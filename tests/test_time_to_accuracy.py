@@ -134,8 +134,8 @@ def test_trajectory_from_several_files(tmp_path):
                    name="b.json")
     runs, target, rate = tta.recorded(f"{a},{b}")
     assert (target, rate) == (0.14, "100mbit") and sorted(runs) == ["bayes_prior", "dense_rows", "powersgd"]
-    assert runs["bayes_prior"]["curve"] == new["curve"] and runs["bayes_prior"]["source"] == "a.json"
-    assert runs["powersgd"]["curve"] == psgd["curve"] and runs["powersgd"]["source"] == "b.json"
+    assert runs["bayes_prior"]["curve"] == new["curve"] and runs["bayes_prior"]["source"] == "a.json, 100mbit"
+    assert runs["powersgd"]["curve"] == psgd["curve"] and runs["powersgd"]["source"] == "b.json, 1gbit"
     assert tta.recorded(f"{b},{a}")[0]["bayes_prior"]["curve"] == old["curve"]
     c = _recording(tmp_path, [("dense_rows", rows)], target=0.15, name="c.json")
     try:
