@@ -12,7 +12,8 @@ barrier per step, evaluations left out). Variants:
 - ``dense``: DeepSpeed's all-reduce of every gradient (flat, after the backward);
 - ``dense_rows``: the best dense reduction we have: ds_xc's buckets from the backward's hooks,
   the embedding table sent as its nonzero rows (``topology.sparse_rows``; the same mean);
-- ``powersgd``: rank 4 (about 1% of the dense bytes on the text task), error feedback;
+- ``powersgd``: rank 4 (about 1% of the dense bytes on the text task, as many bytes as bayes_prior on 2 ranks;
+  ``--powersgd_rank``), error feedback;
 - ``bayes_prior``, ``topk``: density 0.01, error feedback, their library defaults.
 
 ``--trajectory RUN.json`` re-times a recorded run on other links (``A.json,B.json``: each variant from the
@@ -69,6 +70,8 @@ def since_first_step(r: dict, train_s: float) -> float:
 def run_variant(args, name: str, rate: str, port: int, steps: int, target: float,
                 evaluate: bool = True) -> tuple[dict, dict]:
     method, extra = VARIANTS[name]
+    if name == "powersgd":
+        extra = {"powersgd": {"rank": args.powersgd_rank}}
     argv = ["--config", os.path.join(ROOT, args.config), "--method", method, "--density", str(args.density),
             "--steps", str(steps), "--eval_every", str(args.eval_every if evaluate else 0),
             "--compression", json.dumps(extra),
@@ -190,6 +193,9 @@ def main(argv=None) -> str:
     p.add_argument("--eval_every", type=int, default=25)
     p.add_argument("--eval_samples", type=int, default=0, help="override xc_train.eval_samples (0: the config's)")
     p.add_argument("--density", type=float, default=0.01)
+    p.add_argument("--powersgd_rank", type=int, default=VARIANTS["powersgd"][1]["powersgd"]["rank"],
+                   help="the powersgd variant's rank (4: the bytes of bayes_prior at density 0.01 on 2 ranks; its "
+                   "all-gather grows with the ranks, so matching it on more ranks takes a larger rank)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--out", default=DEFAULT_OUT)
@@ -338,7 +344,8 @@ def render(args, command: str, started: str, wall: float, results: dict) -> str:
              f"- command: `{command}`", f"- date: {started}, wall time {wall / 60:.1f} min; {os.cpu_count()} cores, "
              f"load average {load} at the end", f"- ds_xc at git {git_rev(('ds_xc', 'benchmarks', 'configs'))}",
              f"- job: {first['config']} ({first['data']}, {first['num_classes']} classes, backbone "
-             f"{first['backbone_numel'] / 1e6:.2f} M parameters), seed {args.seed}; {topology(args.ranks)}",
+             f"{first['backbone_numel'] / 1e6:.2f} M parameters), seed {args.seed}; {topology(args.ranks)}; "
+             f"powersgd at rank {args.powersgd_rank}",
              f"- {protocol(args)}; time = training time after the first step (index build, warm-up), barrier to "
              "barrier per step, evaluations left out; `vs dense` = dense's time to the target / this variant's (> 1: "
              "faster)\n"]

@@ -144,3 +144,19 @@ def test_trajectory_from_several_files(tmp_path):
         assert "c.json's target 0.15 differs from 0.14" in str(e)
     else:
         raise AssertionError("files with different targets were merged")
+
+
+def test_powersgd_rank_reaches_the_run(monkeypatch):
+    """--powersgd_rank: the powersgd variant's runs get that rank in their gradient_compression keys."""
+    import json
+
+    tta = _module()
+    seen = []
+    monkeypatch.setattr(tta, "in_namespaces", lambda script, argv, *a, **k: seen.append(argv) or ({}, {}))
+    args = tta.argparse.Namespace(config="configs/default.json", density=0.01, eval_every=100, seed=0,
+                                  eval_samples=0, timeout=1.0, ranks=4, powersgd_rank=7)
+    tta.run_variant(args, "powersgd", "100mbit", 29000, 10, 0.0)
+    tta.run_variant(args, "bayes_prior", "100mbit", 29000, 10, 0.0)
+    comp = [json.loads(a[a.index("--compression") + 1]) for a in seen]
+    assert comp == [{"powersgd": {"rank": 7}}, {}]
+    assert tta.VARIANTS["powersgd"][1] == {"powersgd": {"rank": 4}}  # the table is not changed by a run
