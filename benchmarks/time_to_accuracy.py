@@ -203,6 +203,8 @@ def main(argv=None) -> str:
     args = p.parse_args(argv)
     if args.replot:
         return replot(args.replot)
+    if args.powersgd_rank < 1:
+        p.error(f"--powersgd_rank={args.powersgd_rank}: allowed: a rank >= 1")
     names = args.variants.split(",")
     lead = args.target_variant
     if any(n not in VARIANTS for n in names) or lead not in names:

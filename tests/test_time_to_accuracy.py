@@ -160,3 +160,13 @@ def test_powersgd_rank_reaches_the_run(monkeypatch):
     comp = [json.loads(a[a.index("--compression") + 1]) for a in seen]
     assert comp == [{"powersgd": {"rank": 7}}, {}]
     assert tta.VARIANTS["powersgd"][1] == {"powersgd": {"rank": 4}}  # the table is not changed by a run
+
+
+def test_powersgd_rank_below_one_is_refused(capsys):
+    tta = _module()
+    try:
+        tta.main(["--powersgd_rank", "0", "--out", "-"])
+    except SystemExit as e:
+        assert e.code == 2 and "--powersgd_rank=0: allowed: a rank >= 1" in capsys.readouterr().err
+    else:
+        raise AssertionError("rank 0 was accepted")
