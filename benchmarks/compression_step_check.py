@@ -39,7 +39,7 @@ CASES = (("configs/default.json", "1gbit", 1.0, 0, "time_to_accuracy_1gbit_unsha
 def measured(record: str, rate: str, exact: str) -> dict:
     """From a recorded time-to-accuracy run: the exact variant's and bayes_prior's step, steps and time to
     the target, and bayes_prior's speed-up to it (exact's time / bayes_prior's)."""
-    runs, target, _ = recorded(os.path.join(RESULTS, record), rate)
+    runs, target = recorded(os.path.join(RESULTS, record), rate)
     out = {}
     for name in (exact, "bayes_prior"):
         r = runs[name]

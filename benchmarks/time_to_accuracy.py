@@ -100,25 +100,26 @@ def extrapolate(run: dict, leader: dict, target: float, source: str) -> dict:
     return out
 
 
-def recorded(paths: str, rate: Optional[str] = None) -> tuple[dict, float, str]:
-    """Time-to-accuracy .json files' runs of one link by variant, their target, and the link: ``rate``, or each
+def recorded(paths: str, rate: Optional[str] = None) -> tuple[dict, float]:
+    """Time-to-accuracy .json files' runs of one link by variant, and their target. The link is ``rate``, or each
     file's first one (``--trajectory``: the runs are deterministic, so every link of one file holds the same
     trajectory and target). ``paths`` is one file or several, comma-separated: each variant comes from the
-    first file that holds it (its record gains ``source``: that file's name and link), and the files must share the
-    target (the same leading run): a run recorded at another revision joins one of this revision only where
+    first file that holds it (its record gains ``source``: that file's name and link), and the files must share
+    the target (the same leading run): a run recorded at another revision joins one of this revision only where
     its variant did not change (timed_link refuses it otherwise)."""
-    runs, target, first_rate = {}, None, None
+    runs, target = {}, None
     for path in paths.split(","):
         with open(path) as fh:
             saved = json.load(fh)
         link = rate or next(iter(saved))
-        if target is not None and saved[link]["target"] != target:
+        if target is None:
+            target = saved[link]["target"]
+        elif saved[link]["target"] != target:
             raise SystemExit(f"--trajectory={paths}: {os.path.basename(path)}'s target {saved[link]['target']!r} "
                              f"differs from {target!r}; allowed: files whose leading run is the same")
-        target, first_rate = saved[link]["target"] if target is None else target, first_rate or link
         for name, r, _ in saved[link]["runs"]:
             runs.setdefault(name, dict(r, source=f"{os.path.basename(path)}, {link}"))
-    return runs, target, first_rate
+    return runs, target
 
 
 def rate_table(rate: str, runs: list, target: float) -> list[str]:
@@ -263,7 +264,7 @@ def timed_link(args, rate: str, names: list[str], port: int, record: tuple) -> t
     evaluates every ``--eval_every`` steps as the recorded run did (those times are left out):
     an evaluation can move later steps by a rounding (the text job's head catches its lazy rows
     up for it), so only the recorded schedule keeps the recorded trajectory."""
-    rec, target, _ = record
+    rec, target = record
     runs = []
     for i, name in enumerate(names):
         res, ctr = run_variant(args, name, rate, port + i, args.timed_steps, 0.0)

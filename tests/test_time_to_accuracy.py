@@ -132,8 +132,8 @@ def test_trajectory_from_several_files(tmp_path):
     a = _recording(tmp_path, [("dense_rows", rows), ("bayes_prior", new)], name="a.json")
     b = _recording(tmp_path, [("dense_rows", rows), ("powersgd", psgd), ("bayes_prior", old)], rate="1gbit",
                    name="b.json")
-    runs, target, rate = tta.recorded(f"{a},{b}")
-    assert (target, rate) == (0.14, "100mbit") and sorted(runs) == ["bayes_prior", "dense_rows", "powersgd"]
+    runs, target = tta.recorded(f"{a},{b}")
+    assert target == 0.14 and sorted(runs) == ["bayes_prior", "dense_rows", "powersgd"]
     assert runs["bayes_prior"]["curve"] == new["curve"] and runs["bayes_prior"]["source"] == "a.json, 100mbit"
     assert runs["powersgd"]["curve"] == psgd["curve"] and runs["powersgd"]["source"] == "b.json, 1gbit"
     assert tta.recorded(f"{b},{a}")[0]["bayes_prior"]["curve"] == old["curve"]
