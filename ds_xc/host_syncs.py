@@ -47,7 +47,9 @@ _DYNAMIC = {"nonzero", "_unique", "_unique2", "unique_dim", "unique_consecutive"
 _FREE = {"detach", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "set_", "size",
          "stride", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "alias", "is_same_size",
          "_has_compatible_shallow_copy_type", "is_coalesced", "_indices", "_values", "indices", "values",
-         "sparse_dim", "dense_dim", "_nnz", "_coalesced_", "record_stream", "resize_"}
+         "sparse_dim", "dense_dim", "_nnz", "_coalesced_", "record_stream", "resize_",
+         "scalar_tensor",  # a Python number wrapped as a CPU scalar: kernel arguments, not a launch
+         "_record_function_enter_new", "_record_function_exit"}  # profiler markers
 _HOST_DATA = {"lift_fresh"}
 # CPU kernels that stand in for PyTorch code only on the CPU (a GPU runs the PyTorch code they replace)
 _NATIVE_ENVS = ("DS_XC_NATIVE_ROWS", "DS_XC_NATIVE_SOFTMAX", "DS_XC_NATIVE_SCORE", "DS_XC_NATIVE_SELECT")
@@ -91,9 +93,10 @@ class StepCounter(TorchDispatchMode):
     """Counts host syncs (by kind, and where in ds_xc they come from) and launches of the ops run
     inside it. ``where=True`` records the ds_xc frame of every sync (slower: a stack walk each)."""
 
-    def __init__(self, where: bool = True):
+    def __init__(self, where: bool = True, op_where: bool = False):
         super().__init__()
-        self.record_where = where
+        self.record_where, self.record_op_where = where, op_where
+        self.op_where: collections.Counter = collections.Counter()  # "op at frame" -> launches (op_where)
         self.syncs: collections.Counter = collections.Counter()  # kind -> count
         self.where: collections.Counter = collections.Counter()  # "kind op at frame" -> count
         self.ops: collections.Counter = collections.Counter()  # op name -> launches
@@ -119,6 +122,8 @@ class StepCounter(TorchDispatchMode):
             self._sync("host_data", "torch.tensor(host data)")
         elif not func.is_view and name not in _FREE:
             self.ops[name] += 1
+            if self.record_op_where:
+                self.op_where[f"{name} at {_where(('host_syncs.py',))}"] += 1
         return func(*args, **kwargs)
 
     def __enter__(self):

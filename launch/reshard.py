@@ -45,11 +45,12 @@ from ds_xc.checkpoint import (HEAD_DIR, CheckpointError, ShardRows, atomic_save,
                               write_meta)
 from ds_xc.compression.checkpoint import COMPRESSION_DIR, compression_file  # noqa: E402
 from ds_xc.head.partition import shard_range  # noqa: E402
+from ds_xc.sampling.fill import mix_seed  # noqa: E402
 from ds_xc.manifest import check_files, hash_files, list_files, read_manifest, write_manifest  # noqa: E402
 
 MODEL_STATES = re.compile(r"^(layer_\d+-)?mp_rank_\d+_model_states\.pt$")
 ZERO_STATES = re.compile(r"zero_pp_rank_\d+.*optim_states\.pt$")
-_SAMPLER_KEPT = ("generator", "steps")  # everything else describes the old shard's rows
+_SAMPLER_KEPT = ("steps",)  # everything else describes the old shard's rows (the fill stream is made anew)
 
 
 class ReshardError(RuntimeError):
@@ -84,14 +85,11 @@ def _same(a, b) -> bool:
 
 
 def fresh_sampler_state(template: dict, rank: int, world_size: int) -> dict:
-    """Sampler state for a new shard: the step count, a fresh per-rank RNG stream, no index."""
-    state = {k: (None if k not in _SAMPLER_KEPT else v) for k, v in template.items()}
-    gen = template.get("generator")
-    if torch.is_tensor(gen):  # a fresh CPU stream per new rank (samplers keep CPU generators; an older
-        # checkpoint's CUDA generator state is replaced too, not copied to every rank)
-        steps = int(template.get("steps", 0) or 0)
-        state["generator"] = torch.Generator().manual_seed(
-            (1_000_003 * world_size + 7919 * (rank + 1) + 31 * steps) % (2**63)).get_state()
+    """Sampler state for a new shard: the step count, a fresh per-rank fill stream, no index."""
+    state = {k: (None if k not in _SAMPLER_KEPT else v) for k, v in template.items() if k != "generator"}
+    steps = int(template.get("steps", 0) or 0)
+    seed = int((template.get("fill") or {}).get("seed", 0))  # an older checkpoint (a generator state): seed 0
+    state["fill"] = {"seed": seed, "stream": mix_seed(world_size, rank, steps), "draws": 0}
     if "built_at" in state:
         state["built_at"] = None  # the index / graph is rebuilt at the first forward
     return state

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from ds_xc import ClassParallelHead
 from ds_xc.sampling import build_sampler
-from ds_xc.sampling.active import assemble, ranked_unique
+from ds_xc.sampling.active import assemble
+from ds_xc.sampling.fill import FillStream
 from ds_xc.sampling.ann import AnnIndex, exact_cosine_rerank, group_bounds
 from ds_xc.sampling.ann.codes import encode, itq_projection, random_projection
 from ds_xc.sampling.ann.ivf import build_lists, spherical_kmeans
@@ -139,17 +140,18 @@ def test_exact_rerank_keeps_best_cosines():
         assert set(top[i].tolist()) == set(best.tolist())
 
 
-def test_ranked_unique_and_assemble():
-    cand = torch.tensor([[5, 7, -1], [7, 9, 2], [1, 5, 3]])
-    assert ranked_unique(cand, 10).tolist() == [5, 7, 1, 9, 2, 3]
-    gen = torch.Generator().manual_seed(0)
-    index, st, kept = assemble(torch.tensor([9, 30]), cand, budget=5, num_local=40, gen=gen)
-    assert index.tolist() == sorted([9, 30, 5, 7, 1])
-    assert st == {"active": 5, "positives": 2, "retrieved": 5, "kept": 3, "cut": 2, "fill": 0}
-    assert kept.tolist() == [5, 7, 1]
-    index, st, _ = assemble(torch.tensor([0]), cand, budget=20, num_local=40, gen=gen)
-    assert index.numel() == 20 and index.unique().numel() == 20 and st["fill"] == 13
-    assert set([0, 5, 7, 1, 9, 2, 3]) <= set(index.tolist())
+def test_assemble_takes_candidates_in_rank_order():
+    cand = torch.tensor([[5, 7, -1], [7, 9, 2], [1, 5, 3]])  # per row, best first; rank-major: 5 7 1 | 7 9 5 | 2 3
+    fill = FillStream(0, 0)
+    local = torch.tensor([9, 30])
+    out = assemble(local, torch.ones(2, dtype=torch.bool), 40, 5, fill, cand.t().reshape(-1), core=5)
+    assert out.index.tolist() == sorted([9, 30, 5, 7, 1])  # the positives, then the first 3 distinct candidates
+    assert out.stats.read() == {"active": 5, "positives": 2, "retrieved": 5, "kept": 3, "cut": 2, "fill": 0}
+    assert out.index[out.targets].tolist() == [9, 30]
+    assert set(out.core[out.core_mask].tolist()) == {9, 30, 5, 7, 1}
+    out = assemble(torch.tensor([0]), torch.ones(1, dtype=torch.bool), 40, 20, fill, cand.t().reshape(-1))
+    assert out.index.numel() == 20 and out.index.unique().numel() == 20 and out.stats.read()["fill"] == 13
+    assert set([0, 5, 7, 1, 9, 2, 3]) <= set(out.index.tolist())
 
 
 def _ann_head(rate=0.1, **kw):
@@ -176,7 +178,8 @@ def test_positives_always_active_with_groups():
     assert a.bounds == group_bounds(30, 3) == [0, 10, 20, 30]
     for rows, idx in a.groups():
         assert torch.equal(idx[a.targets[rows]], y[rows])
-        assert idx.numel() == max(6, y[rows].unique().numel())
+        assert idx.numel() == max(6, rows.stop - rows.start)  # K = max(budget, min(rows, L)): static
+        assert idx.unique().numel() == idx.numel()
 
 
 def test_upkeep_re_encodes_active_rows_and_rebuilds_on_schedule():

@@ -60,8 +60,8 @@ SGD_CASES = [dict(momentum=0.9, weight_decay=0.01), dict(momentum=0.9, weight_de
 
 @pytest.mark.parametrize("kw", SGD_CASES)
 def test_sgd_equals_torch_dense(kw, monkeypatch):
-    monkeypatch.setattr(lazy_exact, "_BLOCK", 4)  # several catch-up blocks
-    monkeypatch.setattr(lazy_exact, "_TRIM_EVERY", 7)  # history trims in the middle of the run
+    monkeypatch.setattr(lazy_exact, "_BLOCK_BYTES", 4 * 4 * D * 8)  # several catch-up blocks of 4 rows
+    monkeypatch.setattr(lazy_exact, "WINDOW", 7)  # every row caught up every 7 steps in the middle of the run
     sched = _schedule()
     ref_p, p = torch.nn.Parameter(_w0()), torch.nn.Parameter(_w0())
     ref, ours = torch.optim.SGD([ref_p], lr=0.1, **kw), HeadSGD([p], lr=0.1, exact=True, **kw)
@@ -74,7 +74,7 @@ def test_sgd_equals_torch_dense(kw, monkeypatch):
         torch.testing.assert_close(ours.state[p]["momentum_buffer"], ref.state[ref_p]["momentum_buffer"],
                                    rtol=1e-11, atol=1e-13)
     assert ours.state[p][lazy_exact.STEPS] == STEPS and int(ours.state[p][lazy_exact.LAST].min()) == STEPS
-    assert ours.state[p][lazy_exact.BASE] == STEPS  # the history was trimmed to nothing
+    assert ours.state[p][lazy_exact.BASE] == STEPS  # every row current
 
 
 def _adamw_ref(sched, eps, wd):
@@ -118,16 +118,16 @@ def test_adamw_equals_torch_dense_within_the_eps_bound(wd):
                                                     exact=True),
                                   lambda p: HeadAdamW([p], lr=0.05, weight_decay=0.1, exact=True)])
 def test_state_dict_round_trip_mid_run(make, monkeypatch):
-    monkeypatch.setattr(lazy_exact, "_TRIM_EVERY", 16)
+    monkeypatch.setattr(lazy_exact, "WINDOW", 16)
     sched = _schedule(2)
     p, q = torch.nn.Parameter(_w0()), torch.nn.Parameter(_w0())
     a = make(p)
     _run(a, p, sched, 0.1, 0, 150)
-    saved = copy.deepcopy(a.state_dict())  # as a checkpoint: stale rows, counters and history
+    saved = copy.deepcopy(a.state_dict())  # as a checkpoint: stale rows, counters and suffix products
     q.data.copy_(p.data)
     b = make(q)
     b.load_state_dict(saved)
-    assert b.state[q][lazy_exact.HIST].dtype == torch.float64
+    assert b.state[q][lazy_exact.SUFFIX].dtype == torch.float64
     assert b.state[q][lazy_exact.LAST].dtype == torch.int64
     _run(a, p, sched, 0.1, 150)
     _run(b, q, sched, 0.1, 150)

@@ -164,7 +164,7 @@ def test_reshard_to_one_rank_and_export(trained, tmp_path):
     assert torch.equal(rows.rows(0, C), _merged(res2, "final"))
     state = load_shard(rows.tag_dir, 0)
     sampler = state["head"]["_extra_state"]["sampler"]
-    assert state["head"]["_extra_state"]["weight_checksum"] is None and set(sampler) <= {"generator"}
+    assert state["head"]["_extra_state"]["weight_checksum"] is None and set(sampler) <= {"fill"}
 
     head = ClassParallelHead.from_config(_config()["extreme_classification"])  # one process, no group
     opt = build_head_optimizer(head, _config()["extreme_classification"]["optimizer"])

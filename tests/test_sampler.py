@@ -96,13 +96,15 @@ def test_knn_graph_is_rebuilt_on_the_early_schedule():
 
 def test_candidate_share_caps_retrieved_classes_and_fills_the_rest_uniformly():
     from ds_xc.sampling.active import assemble
-    gen = torch.Generator().manual_seed(0)
-    positives = torch.tensor([3, 7])
-    candidates = torch.arange(100, 200).reshape(10, 10)  # 100 distinct ranked candidates
-    index, stats, kept = assemble(positives, candidates, 42, 1000, gen, candidate_share=0.5)
-    assert index.numel() == 42 and stats["positives"] == 2
+    from ds_xc.sampling.fill import FillStream
+    positives, mine = torch.tensor([3, 7]), torch.ones(2, dtype=torch.bool)
+    candidates = torch.arange(100, 200)  # 100 distinct candidates in priority order
+    out = assemble(positives, mine, 1000, 42, FillStream(0, 0), candidates, candidate_share=0.5, core=42)
+    stats = out.stats.read()
+    assert out.index.numel() == 42 and stats["positives"] == 2
     assert stats["kept"] == 20 and stats["fill"] == 20 and stats["cut"] == 80  # ceil(0.5 * 40) retrieved
-    assert torch.equal(kept, torch.arange(100, 200).reshape(10, 10).t().reshape(-1)[:20])  # in rank order
-    assert set(positives.tolist()) <= set(index.tolist())
-    full, stats1, _ = assemble(positives, candidates, 42, 1000, torch.Generator().manual_seed(0))
-    assert stats1["kept"] == 40 and stats1["fill"] == 0
+    kept = out.core[out.core_mask]
+    assert sorted(kept.tolist()) == [3, 7] + list(range(100, 120))  # the first 20 in priority order
+    assert set(positives.tolist()) <= set(out.index.tolist())
+    full = assemble(positives, mine, 1000, 42, FillStream(0, 0), candidates).stats.read()
+    assert full["kept"] == 40 and full["fill"] == 0

@@ -66,7 +66,7 @@ def fill_verdict(head, row: torch.Tensor, embeddings: Optional[torch.Tensor], la
         bad = (labels < 0) | (labels >= head.num_classes)  # (B,)
         first = torch.argmax(bad.to(torch.int8))  # the first True (0 when none)
         any_bad = bad.any()
-        row[2], row[3] = first, labels[first].to(torch.int64)
+        row[2], row[3] = first, labels.index_select(0, first.view(1)).squeeze(0).to(torch.int64)
         code = torch.where(any_bad, BAD_INPUT, 0)
         if embeddings is not None:
             finite = torch.isfinite(embeddings).all(dim=1)  # (B,)

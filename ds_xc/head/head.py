@@ -210,13 +210,13 @@ class ClassParallelHead(nn.Module):
                                  f"rows, it passed {rows}")
             return self._replicated_sizes(Verdict([int(b) for b in batch_sizes], labels_checked=False))
         table = torch.zeros((self.world_size, 5), dtype=torch.int64, device=self.weight.device)
-        table[self.rank, 1] = rows
+        table[self.rank, 1].fill_(rows)  # a kernel argument, not host data copied up
         if error is not None:
-            table[self.rank, 0] = BAD_INPUT
+            table[self.rank, 0].fill_(BAD_INPUT)
         else:
             fill_verdict(self, table[self.rank], embeddings if full else None, labels)
         if self._unchecked_bad is not None:
-            table[self.rank, 4] = self._unchecked_bad
+            table[self.rank, 4].copy_(self._unchecked_bad)
         if is_distributed(self.group):  # every rank learns of bad input: nobody hangs in a collective
             dist.all_reduce(table, op=dist.ReduceOp.SUM, group=self.group)
         rows_of = table.tolist()  # the one host sync of the check
@@ -293,11 +293,11 @@ class ClassParallelHead(nn.Module):
         total = None
         for rows, index in active.groups():  # one group unless the sampler splits the batch
             if self.lazy_catch_up is not None:  # lazy_exact: the rows this step reads, up to date
-                self.lazy_catch_up(index)
+                self.lazy_catch_up(index, active=True)
             if index is None:
                 w = self.weight  # (L, d)
             else:  # (K, d); a row-sparse gradient for lazy updates
-                w = gather_rows(self.weight, index, self.update != "dense", self.workspace)
+                w = gather_rows(self.weight, index, self.update != "dense", self.workspace, distinct=True)
             part = sharded_margin_loss(x[rows], w, active.targets[rows], self.loss_fn, self.group, self.chunk_size,
                                        self.softmax_backend, self.workspace)
             if active.bounds is not None:

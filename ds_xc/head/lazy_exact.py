@@ -29,11 +29,17 @@ the catch-up displacement C(a)*m/sqrt(v) has relative error at most eps/min_s sq
 relative with eps = 1e-8 and gradients of order 1; tests/test_lazy_exact.py measures it).
 Betas are taken as fixed (the config's); lr and weight decay may change every step.
 
-Cost: the history is one row of float64 scalars per step (kept on the CPU, trimmed to the
-steps after the oldest row's last update). Catching up R rows whose oldest last update is n
-steps back costs one batched scan of n 2x2 matrices (O(n log n) flops, log n torch calls)
-plus O(R*d). Rows not caught up hold stale values: the head catches the active rows up
-before each forward and every row up before topk / index rebuilds / checkpoint saves.
+Static and sync-free (docs/head.md, "The GPU step"): the state is fixed-size device tensors.
+``lazy_suffix`` (W + 1, 2, 2) float64 holds, at k, the product of the last k steps' matrices
+(entry 0 the identity); each step multiplies the new matrix in from the left (four small ops
+whose scalars are the step's Python numbers: no host data, no host sync), and a row last current
+k steps ago is caught up by entry k, so a catch-up is a gather of its rows' entries whatever
+their ages (rows already current take the identity). No row may fall more than W steps behind:
+every W steps (W = :data:`WINDOW`) every row is caught up, O(L*d) once per W steps. Catching up
+R rows costs O(R*d), R may repeat rows.
+
+Rows not caught up hold stale values: the head catches the active rows up before each forward
+and every row up before topk / index rebuilds / checkpoint saves.
 """
 from __future__ import annotations
 
@@ -41,142 +47,171 @@ import torch
 
 from ds_xc import config as cfg
 
-LAST, HIST, STEPS, BASE = "lazy_last", "lazy_hist", "lazy_steps", "lazy_base"
-_BLOCK = 1 << 15  # rows per block of a catch-up
-_TRIM_EVERY = 1024  # steps between history trims (an O(L) min over the row counters)
+LAST, SUFFIX, STEPS, BASE = "lazy_last", "lazy_suffix", "lazy_steps", "lazy_base"
+HIST = "lazy_hist"  # the scalar history of checkpoints of earlier revisions (converted when loaded)
+WINDOW = 1024  # steps a row may fall behind before the periodic catch-up of every row
+_BLOCK_BYTES = 256 << 20  # temporaries of one block of a catch-up (about four row copies of the block)
+
+
+def _block_rows(p: torch.Tensor) -> int:
+    """Rows per block of a catch-up: its temporaries stay under _BLOCK_BYTES (131,072 rows at d = 128
+    float32: the re-ranked rows of a 512-row batch in one block)."""
+    return max(1, _BLOCK_BYTES // (4 * p.shape[1] * p.element_size()))
 
 
 def suffix_products(mats: torch.Tensor) -> torch.Tensor:
     """mats (n, 2, 2), one per step in step order -> (n + 1, 2, 2) with out[k] = M_n ... M_{n-k+1}
     (the product over the last k steps, the latest on the left; out[0] = I). A Hillis-Steele scan:
-    log2(n) batched matmuls instead of n Python-level ones."""
+    log2(n) batched matmuls (used to convert the history of an older checkpoint)."""
     p = mats.flip(0).clone()  # p[i] = M_{n-i}
     shift = 1
     while shift < p.shape[0]:
         p[shift:] = torch.matmul(p[:-shift], p[shift:])  # p[i] = M_n ... M_{n-i} once shift >= i
         shift *= 2
-    eye = torch.eye(2, dtype=mats.dtype).expand(1, 2, 2)
+    eye = torch.eye(2, dtype=mats.dtype, device=mats.device).expand(1, 2, 2)
     return torch.cat([eye, p])
 
 
-def _mat(a, b, c, d) -> torch.Tensor:
-    """(n, 2, 2) from four (n,) entries [[a, b], [c, d]]."""
-    return torch.stack([torch.stack([a, b], -1), torch.stack([c, d], -1)], -2)
+def sgd_entries(lr: float, mu: float, wd: float, nesterov: bool) -> tuple:
+    """The zero-gradient step matrix M_s of SGD as four Python floats (a, b, c, d) = [[a, b], [c, d]]."""
+    if nesterov:
+        return 1.0 - lr * wd * (1.0 + mu), -lr * mu * mu, wd, mu
+    return 1.0 - lr * wd, -lr * mu, wd, mu
 
 
-def sgd_mats(h: torch.Tensor) -> torch.Tensor:
-    """SGD history rows (n, 4) = (lr, mu, wd, nesterov) -> the zero-gradient step matrices M_s (n, 2, 2)."""
-    lr, mu, wd, nest = h.unbind(1)
-    a = torch.where(nest > 0, 1.0 - lr * wd * (1.0 + mu), 1.0 - lr * wd)
-    b = torch.where(nest > 0, -lr * mu * mu, -lr * mu)
-    return _mat(a, b, wd, mu)
+def adamw_entries(lr: float, wd: float, b1: float, b2: float, bc1: float, bc2: float) -> tuple:
+    """N_s^T of AdamW (module docstring) as four Python floats, so that the suffix product over steps
+    a+1..T has D(a) at [0, 0] and C(a) at [0, 1]."""
+    r = b1 / b2 ** 0.5
+    return 1.0 - lr * wd, r * (lr * bc2 ** 0.5 / bc1), 0.0, r
 
 
-def adamw_mats(h: torch.Tensor) -> torch.Tensor:
-    """AdamW history rows (n, 6) = (lr, wd, b1, b2, bc1, bc2) -> N_s^T (n, 2, 2), so that the suffix
-    product over steps a+1..T has D(a) at [0, 0] and C(a) at [0, 1] (module docstring)."""
-    lr, wd, b1, b2, bc1, bc2 = h.unbind(1)
-    d = 1.0 - lr * wd
-    r = b1 / b2.sqrt()
-    q = lr * bc2.sqrt() / bc1
-    return _mat(d, r * q, torch.zeros_like(d), r)
+def _entries_of_history(kind: str, h: torch.Tensor) -> torch.Tensor:
+    """An older checkpoint's history rows (n, width) -> their step matrices (n, 2, 2) float64."""
+    rows = [sgd_entries(*r[:3], bool(r[3])) if kind == "sgd" else adamw_entries(*r) for r in h.tolist()]
+    return torch.tensor(rows, dtype=torch.float64).view(-1, 2, 2)
 
 
 class ExactLazyMixin:
-    """Per-row "last updated at" counters and the per-step scalar history, in ``optimizer.state[p]``
-    (LAST: int64 (L,) on the weight's device; HIST: float64 (capacity, width) on the CPU; STEPS,
-    BASE: ints; history row i is step BASE + 1 + i). Subclasses give ``_exact_mats(hist)``,
-    ``_exact_apply(p, state, group, rows, q, k)`` (PyTorch) and ``_exact_native(p, state, group, rows,
-    coef)`` (the fused kernel of ds_xc_ops.rows; False where it cannot run)."""
+    """Per-row "last current at" counters and the suffix products of the last steps, in
+    ``optimizer.state[p]`` (LAST: int64 (L,), SUFFIX: float64 (WINDOW + 1, 2, 2), both on the weight's
+    device; STEPS: steps recorded; BASE: the last step at which every row was current). Subclasses
+    give ``_exact_kind`` ("sgd" | "adamw"), ``_exact_apply(p, state, group, rows, q, k)`` (PyTorch)
+    and ``_exact_native(p, state, group, rows, coef)`` (the fused kernel of ds_xc_ops.rows; False
+    where it cannot run)."""
 
-    def _exact_begin(self, p: torch.Tensor, rows, scalars) -> None:
+    _exact_kind = "sgd"
+
+    def _exact_begin(self, p: torch.Tensor, rows, entries: tuple) -> None:
         """Before this step's update of ``p``: catch the rows about to be updated (``rows`` (R,), or
-        None: all) up to the last step, record this step's scalars and mark the rows current."""
+        None: all) up to the last step, record this step's matrix (``entries``, four floats) and mark
+        the rows current."""
         if p.dtype == torch.bfloat16:
             raise cfg.ConfigError(f"{cfg.HEAD_SECTION}.optimizer.update: 'lazy_exact' does not support "
                                   f"dtype bfloat16 heads; use update 'lazy' or 'dense', or dtype float32")
         state = self.state[p]
         if LAST not in state:
             state[LAST] = torch.zeros(p.shape[0], dtype=torch.int64, device=p.device)  # (L,)
-            state[HIST] = torch.zeros(64, len(scalars), dtype=torch.float64)  # (capacity, width)
+            state[SUFFIX] = _identity_suffix(p.device)
             state[STEPS], state[BASE] = 0, 0
-        self._exact_catch_up(p, state, rows)
-        n = state[STEPS] - state[BASE]
-        if n == state[HIST].shape[0]:  # grow by doubling: amortised O(1) per step
-            state[HIST] = torch.cat([state[HIST], state[HIST].new_zeros(max(64, n), len(scalars))])
-        state[HIST][n] = torch.tensor(scalars, dtype=torch.float64)
+        _follow(state, p)
+        if state[STEPS] - state[BASE] >= WINDOW:  # the oldest rows would leave the window: all current
+            self._exact_catch_up(p, state, None)
+        if rows is None or not self._caught_up_now(state):
+            self._exact_catch_up(p, state, rows)
+        _push(state, entries)
         state[STEPS] += 1
         if rows is None:
             state[LAST].fill_(state[STEPS])
+            state[BASE] = state[STEPS]
         else:
             state[LAST].index_fill_(0, rows, state[STEPS])
-        if state[STEPS] % _TRIM_EVERY == 0:
-            self._exact_trim(state)
+
+    # Set by build_head_optimizer when the gradient rows of a step are always rows the head caught up
+    # with ``active=True`` since the last step (its forward's active sets; not with a 2-D layout, whose
+    # gradient also holds the other replicas' rows): the step then skips a second catch-up of them.
+    trust_active_rows = False
+
+    def _caught_up_now(self, state: dict) -> bool:
+        """Whether this step's gradient rows are current: the head caught its active rows up since the
+        last step (``catch_up(rows, active=True)``) and nothing stepped since (``trust_active_rows``)."""
+        return self.trust_active_rows and state.get("_active_at") == state[STEPS]
 
     def _exact_catch_up(self, p: torch.Tensor, state: dict, rows) -> None:
-        """Bring rows (R,) (None: all) of p and its state to step STEPS, as zero-gradient steps would."""
-        last, steps = state[LAST], state[STEPS]
-        if last.device != p.device:
-            state[LAST] = last = last.to(p.device)
+        """Bring rows (R,) (None: all; repeats allowed) of p and its state to step STEPS, as
+        zero-gradient steps would: a gather of their suffix products by age, no host sync."""
+        steps = state[STEPS]
+        _follow(state, p)
+        if steps == state[BASE]:  # every row is current
+            return
         if rows is None:
-            sel = (last < steps).nonzero().squeeze(1)  # (S,) the stale rows
-        else:
-            sel = rows[last.index_select(0, rows) < steps]
-        if sel.numel() == 0:
+            rows = torch.arange(p.shape[0], device=p.device)
+            state[BASE] = steps
+        if rows.numel() == 0:
             return
-        a = last.index_select(0, sel)  # (S,) their last update steps
-        first = int(a.min())
-        h = state[HIST][first - state[BASE]: steps - state[BASE]]  # (n, width) steps first+1..steps
-        coef = suffix_products(self._exact_mats(h)).to(p.device)  # (n + 1, 2, 2) float64
+        last, coef = state[LAST], state[SUFFIX]
         group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
-        if self._exact_native(p, state, group, sel, coef):  # the fused C++ kernel marked the rows current
+        if self._exact_native(p, state, group, rows, coef):  # the fused C++ kernel marked the rows current
             return
-        k = steps - a  # (S,) skipped steps per row
-        for b in range(0, sel.numel(), _BLOCK):
-            s = slice(b, b + _BLOCK)
-            self._exact_apply(p, state, group, sel[s], coef.index_select(0, k[s]), k[s])
-        last.index_fill_(0, sel, steps)
-
-    @staticmethod
-    def _exact_trim(state: dict) -> None:
-        """Drop the history of steps every row is past (keeps HIST at the live window)."""
-        oldest = int(state[LAST].min())
-        drop = oldest - state[BASE]
-        if drop > 0:
-            state[HIST] = state[HIST][drop:].clone()
-            state[BASE] = oldest
+        block = _block_rows(p)
+        for b in range(0, rows.numel(), block):
+            sel = rows[b: b + block]
+            k = steps - last.index_select(0, sel)  # (S,) steps each row skipped (0: current)
+            self._exact_apply(p, state, group, sel, coef.index_select(0, k), k)
+        last.index_fill_(0, rows, steps)
 
     @torch.no_grad()
-    def catch_up(self, rows=None) -> None:
+    def catch_up(self, rows=None, active: bool = False) -> None:
         """Bring local rows ``rows`` (R,) of every parameter (None: every row) up to date: call before
         reading weights that may be stale (the head calls it before forward, topk, index rebuilds;
-        XCEngine.save_checkpoint calls :meth:`catch_up_all`). A no-op without ``lazy_exact``."""
+        XCEngine.save_checkpoint calls :meth:`catch_up_all`). A no-op without ``lazy_exact``.
+        ``active``: these are rows of a forward's active set, whose gradient the next step applies."""
         for group in self.param_groups:
             for p in group["params"]:
                 state = self.state.get(p, {})
                 if LAST in state:
                     self._exact_catch_up(p, state, None if rows is None else rows.to(p.device))
+                    if active:
+                        state["_active_at"] = state[STEPS]
 
     @torch.no_grad()
     def catch_up_all(self) -> None:
-        """Every row of every parameter up to date (then the history is trimmed to nothing)."""
+        """Every row of every parameter up to date."""
         self.catch_up(None)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if LAST in self.state.get(p, {}):
-                    self._exact_trim(self.state[p])
 
     @staticmethod
     def exact_state_for_saving(entry: dict) -> dict:
-        """One parameter's saved state: without the counters and the history when every row is current
-        (after :meth:`catch_up_all`, as XCEngine.save_checkpoint does), so the checkpoint holds the state
-        of a dense run, one row per class (export, reshard and other update modes read it as such); a
-        resumed lazy_exact run restarts its counters from there, which is the same as keeping them. With
-        stale rows (a state_dict taken mid-run) everything is kept."""
-        last = entry.get(LAST)
-        if last is None or (last.numel() and int(last.min()) < entry[STEPS]):
+        """One parameter's saved state: without the counters and the products when every row is
+        current (after :meth:`catch_up_all`, as XCEngine.save_checkpoint does), so the checkpoint holds
+        the state of a dense run, one row per class (export, reshard and other update modes read it as
+        such); a resumed lazy_exact run restarts its counters from there, which is the same as keeping
+        them. With stale rows (a state_dict taken mid-run) the counters and products are kept."""
+        entry = {k: v for k, v in entry.items() if not k.startswith("_")}
+        if LAST not in entry or entry[BASE] != entry[STEPS]:
             return entry
-        return {k: v for k, v in entry.items() if k not in (LAST, HIST, STEPS, BASE)}
+        return {k: v for k, v in entry.items() if k not in (LAST, SUFFIX, STEPS, BASE)}
+
+    def convert_exact_state(self, p: torch.Tensor, state: dict) -> None:
+        """A state loaded from a checkpoint of an earlier revision (a CPU history of per-step scalars
+        instead of the suffix products): every row is caught up from that history now, exactly, and
+        the state restarts in this revision's form."""
+        hist = state.pop(HIST, None)
+        if hist is None or LAST not in state:
+            return
+        steps, base = state[STEPS], state[BASE]
+        last = state[LAST].to(p.device)
+        first = int(last.min()) if last.numel() else steps
+        mats = _entries_of_history(self._exact_kind, hist[first - base: steps - base])
+        coef = suffix_products(mats).to(p.device)  # (n + 1, 2, 2): k steps back from now
+        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        k = steps - last  # (L,)
+        rows, block = torch.arange(p.shape[0], device=p.device), _block_rows(p)
+        for b in range(0, rows.numel(), block):
+            self._exact_apply(p, state, group, rows[b: b + block], coef.index_select(0, k[b: b + block]),
+                              k[b: b + block])
+        state[LAST] = torch.full_like(last, steps)
+        state[SUFFIX] = _identity_suffix(p.device)
+        state[BASE] = steps
 
     @torch.no_grad()
     def finish_exact_lazy(self) -> None:
@@ -189,5 +224,32 @@ class ExactLazyMixin:
                 state = self.state.get(p, {})
                 if LAST in state:
                     self._exact_catch_up(p, state, None)
-                    for key in (LAST, HIST, STEPS, BASE):
+                    for key in (LAST, SUFFIX, STEPS, BASE, "_active_at", "_spare"):
                         state.pop(key, None)
+
+
+def _identity_suffix(device) -> torch.Tensor:
+    """(WINDOW + 1, 2, 2) float64 identities: no step recorded yet."""
+    return torch.eye(2, dtype=torch.float64, device=device).repeat(WINDOW + 1, 1, 1)
+
+
+def _follow(state: dict, p: torch.Tensor) -> None:
+    """The counters and products follow the weight's device (``head.to``)."""
+    for key in (LAST, SUFFIX):
+        if state[key].device != p.device:
+            state[key] = state[key].to(p.device)
+    state.pop("_spare", None) if "_spare" in state and state["_spare"].device != p.device else None
+
+
+def _push(state: dict, entries: tuple) -> None:
+    """suffix[k] <- M suffix[k - 1] for k >= 1 (entry 0 stays the identity), M = [[a, b], [c, d]] the
+    step's matrix as Python floats: four device ops into a second buffer (swapped in), no host data."""
+    a, b, c, d = (float(v) for v in entries)
+    old = state[SUFFIX]
+    new = state.pop("_spare", None)
+    if new is None or new.shape != old.shape:
+        new = _identity_suffix(old.device)
+    top, bottom = old[:-1, 0], old[:-1, 1]  # (W, 2) rows of the previous products
+    torch.mul(top, a, out=new[1:, 0]).add_(bottom, alpha=b)
+    torch.mul(top, c, out=new[1:, 1]).add_(bottom, alpha=d)
+    state[SUFFIX], state["_spare"] = new, old

@@ -43,11 +43,12 @@ import math
 
 import torch
 from torch.optim import Optimizer
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ds_xc import config as cfg
 from ds_xc_ops import rows as native_rows
 from ds_xc.head.bf16 import BF16_UPDATES, round_to_bf16
-from ds_xc.head.lazy_exact import HIST, LAST, STEPS, ExactLazyMixin, adamw_mats, sgd_mats
+from ds_xc.head.lazy_exact import HIST, LAST, STEPS, SUFFIX, ExactLazyMixin, adamw_entries, sgd_entries
 
 __all__ = ["HeadSGD", "HeadAdamW", "build_head_optimizer", "resolved_update"]
 
@@ -55,16 +56,18 @@ _BLOCK = 1 << 15  # rows per block of a dense step and of the gathered rows of a
 
 
 def _rows(p: torch.Tensor, lazy: bool):
-    """(row ids (R,) or None for all rows, gradient rows (R, d) or the dense gradient)."""
+    """(row ids (R,) or None for all rows, gradient rows (R, d) or the dense gradient).
+
+    The head's gather marks its row-sparse gradient coalesced (its rows are the sampler's sorted,
+    distinct active set), so a step reads it as it is: no sort, no host sync. A gradient not known
+    to be coalesced (summed over several gathers: sample groups, accumulation) is coalesced here,
+    which costs a host sync on a GPU."""
     g = p.grad
     if not g.is_sparse:
         return None, g
     if not lazy or g.sparse_dim() != 1:  # dense semantics, or element-wise COO: densify
         return None, g.to_dense()
     if not g.is_coalesced():
-        rows = g._indices()[0]
-        if rows.numel() < 2 or bool((rows[1:] > rows[:-1]).all()):
-            return rows, g._values()  # sorted and distinct already (a sampler's active set): no sort
         g = g.coalesce()
     return g.indices()[0], g.values()
 
@@ -75,6 +78,18 @@ def _follow_device(state: dict, p: torch.Tensor) -> None:
     for key, value in state.items():
         if key not in ("step", HIST) and torch.is_tensor(value) and value.device != p.device:
             state[key] = value.to(p.device)
+
+
+def _host_step(counts, p: torch.Tensor, state: dict) -> int:
+    """Advance AdamW's step count of ``p`` and return it as a Python int. ``state["step"]`` stays the
+    CPU tensor torch keeps (what checkpoints hold); ``counts`` (per parameter) mirrors it on the host,
+    read from that tensor once after a load, so a step never reads a tensor."""
+    t = counts.get(p)
+    if t is None:
+        t = int(state["step"].item())
+    counts[p] = t + 1
+    state["step"].fill_(t + 1)
+    return t + 1
 
 
 def _blocks(n: int):
@@ -101,6 +116,7 @@ class _HeadOptimizer(ExactLazyMixin, Optimizer):
         super().__init__(params, defaults)
         self.bf16_update, self.seed = bf16_update, int(seed)
         self._gen = None
+        self._step_counts = WeakIdKeyDictionary()  # parameter -> its step count on the host (AdamW)
 
     def _generator(self, device) -> torch.Generator:
         if self._gen is None:
@@ -108,7 +124,7 @@ class _HeadOptimizer(ExactLazyMixin, Optimizer):
         return self._gen
 
     def _state_dtype(self, p: torch.Tensor, key: str) -> torch.dtype:
-        if key == HIST:
+        if key in (HIST, SUFFIX):
             return torch.float64
         if p.dtype == torch.bfloat16 and key in self._FP32_KEYS.get(self.bf16_update, ()):
             return torch.float32
@@ -152,9 +168,11 @@ class _HeadOptimizer(ExactLazyMixin, Optimizer):
             p = params[idx]
             for key, value in saved.items():
                 if torch.is_tensor(value) and value.dim() >= 1 and key in self.state[p]:
-                    device = "cpu" if key == HIST else p.device  # the scalar history stays on the CPU
+                    device = "cpu" if key == HIST else p.device  # an older checkpoint's history: on the CPU
                     dtype = self._state_dtype(p, key) if value.is_floating_point() else value.dtype  # counters
                     self.state[p][key] = value.to(device=device, dtype=dtype, copy=True)
+            self.convert_exact_state(p, self.state[p])  # an earlier revision's lazy_exact history, if any
+        self._step_counts = WeakIdKeyDictionary()  # re-read from the loaded step tensors
         if rng is not None and params:
             self._generator(params[0].device).set_state(rng)
         self.finish_exact_lazy()  # a lazy_exact checkpoint resumed in another mode: rows made current
@@ -173,7 +191,7 @@ class HeadSGD(_HeadOptimizer):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
                                       nesterov=nesterov, lazy=lazy or exact, exact=exact), bf16_update, seed)
 
-    _exact_mats = staticmethod(sgd_mats)
+    _exact_kind = "sgd"
 
     @staticmethod
     def _exact_apply(p, state, group, rows, q, k):
@@ -226,7 +244,7 @@ class HeadSGD(_HeadOptimizer):
                     _follow_device(state, p)
                     buf = state["momentum_buffer"]
                 if group.get("exact"):
-                    self._exact_begin(p, rows, (lr, mu, wd, float(nest)))
+                    self._exact_begin(p, rows, sgd_entries(lr, mu, wd, nest))
                 if p.dtype == torch.bfloat16:
                     self._step_bf16(p, rows, g, buf, lr, mu, wd, nest)
                     continue
@@ -277,7 +295,7 @@ class HeadAdamW(_HeadOptimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       lazy=lazy or exact, exact=exact), bf16_update, seed)
 
-    _exact_mats = staticmethod(adamw_mats)
+    _exact_kind = "adamw"
 
     @staticmethod
     def _exact_apply(p, state, group, rows, q, k):
@@ -325,11 +343,10 @@ class HeadAdamW(_HeadOptimizer):
                     state["exp_avg"] = torch.zeros_like(p, dtype=self._state_dtype(p, "exp_avg"))
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=self._state_dtype(p, "exp_avg_sq"))
                 _follow_device(state, p)
-                state["step"] += 1
-                t = float(state["step"])
+                t = _host_step(self._step_counts, p, state)
                 hyper = (lr, b1, b2, eps, wd, 1.0 - b1 ** t, 1.0 - b2 ** t)
                 if group.get("exact"):
-                    self._exact_begin(p, rows, (lr, wd, b1, b2, hyper[5], hyper[6]))
+                    self._exact_begin(p, rows, adamw_entries(lr, wd, b1, b2, hyper[5], hyper[6]))
                 m, v = state["exp_avg"], state["exp_avg_sq"]
                 if p.dtype == torch.bfloat16:
                     self._step_bf16(p, rows, g, m, v, hyper)
@@ -400,9 +417,11 @@ def build_head_optimizer(head, section) -> Optimizer:
     else:
         opt = HeadAdamW([head.weight], lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
                         lazy=lazy, exact=exact, **bf16)
+    replicas = getattr(head, "replicas", None)
     if exact and hasattr(head, "lazy_catch_up"):  # the head catches rows up before it reads them
         head.lazy_catch_up = opt.catch_up
-    replicas = getattr(head, "replicas", None)
+        # its gradient rows are its forward's active rows, caught up there (not with replicas: see there)
+        opt.trust_active_rows = replicas is None or not replicas.active
     if replicas is not None and replicas.active:  # 2-D layout: the replicas' gradients summed before each step
         opt.register_step_pre_hook(lambda optimizer, args, kwargs: replicas.reduce_grad_(head.weight))
     return opt

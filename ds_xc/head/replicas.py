@@ -143,7 +143,6 @@ class Replicas:
         if saved is not None and len(saved) == self.size:
             sampler.load_state_dict(saved[self.rank])
         elif self.rank > 0:
-            base = int(torch.randint(0, 2**62, (1,), generator=sampler.generator))
-            sampler.generator.manual_seed((base + 1_000_003 * self.rank) % (2**63))
+            sampler.fill.derive(1_000_003 * self.rank)
             log.info("replica %d: the checkpoint holds %s replica sampler streams; a fresh stream is derived",
                      self.rank, "no" if saved is None else len(saved))

@@ -21,7 +21,6 @@ The maths in :func:`_chunk_step` is plain tensor code; communication goes throug
 """
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
@@ -29,6 +28,7 @@ import torch
 from ds_xc.head.margins import TargetLoss
 from ds_xc.parallel import collectives
 from ds_xc.parallel.groups import group_size, is_distributed
+from ds_xc_ops.matmul import addmm_f32_, mm_f32, tensor_cores
 from ds_xc_ops.softmax_rows import exp_rows_
 
 __all__ = ["sharded_margin_loss", "fused_loss_and_grads", "finish_weight_grad", "inverse_row_norms", "Reducer",
@@ -169,19 +169,23 @@ def _chunk_step(x, w, rw, t, loss: TargetLoss, red: Reducer, need_grad: bool, ne
 
     Returns (loss (n,), M (n, K) or None, inv (n,), xs (n, d), gt (n,), ew (n, d) or None).
     The gradient of the summed loss rows with respect to the raw dot products xs . w_j is
-    ``inv[:, None] * M`` off the target column and ``gt`` at it (M is 0 there): the softmax's
-    row normalisation stays out of the (n, K) buffer. ``ew`` = M @ w (need_gx), computed
+    ``inv[:, None] * M`` off the target column and ``gt`` at it (M is 0 there; gt is 0 on rows whose
+    target is elsewhere): the softmax's row normalisation stays out of the (n, K) buffer. With 16-bit
+    weights on a tensor-core device M is returned in the weight's dtype, the input of both gradient
+    GEMMs (ds_xc_ops.matmul). ``ew`` = M @ w (need_gx), computed
     while the statistics' all-gather is in flight. ``xs`` is the chunk's normalised rows
     (cosine losses) or the chunk itself. With ``folded`` (K, d) = w * s rw (cosine losses), M
     leaves out the column factors s rw_j (ew = M @ folded carries them; the caller scales dW).
     """
     loc = _Local(x, w, rw, t, loss, buf, folded)
     pending = red.gather(loc.stats, async_op=True)  # (P, n, 3)
-    ew = None
+    ew, grad_m = None, loc.e
     if need_grad:
         loc.factor(loss, rw)
+        if tensor_cores(w.dtype, w.device):  # 16-bit weights: both gradient GEMMs take M in 16 bits (once)
+            grad_m = loc.e.to(w.dtype)  # (n, K)
         if need_gx:
-            ew = _mm_rows(loc.e, w if folded is None else folded)  # (n, d), overlapping the all-gather
+            ew = _mm_rows(grad_m, w if folded is None else folded)  # (n, d), overlapping the all-gather
     m, sumexp, target = merge_row_stats(pending.result(), loss.separate_target)
     if loss.separate_target:
         intra, d_intra = loss.target_term(target)
@@ -198,38 +202,31 @@ def _chunk_step(x, w, rw, t, loss: TargetLoss, red: Reducer, need_grad: bool, ne
     if loss.normalised:
         g_t = g_t * rw[loc.tt.squeeze(1)]
     g_t = torch.where(loc.has_t, g_t, torch.zeros_like(g_t))
-    return rows, loc.e, inv, loc.xs, g_t, ew
-
-
-_MM_ROWS = 1 << 14  # weight rows per float32 block of a low-precision logits matmul on CPU
-_CUDA_OUT_DTYPE = [True]  # whether torch.mm(..., out_dtype=) works on CUDA (checked at first use)
+    return rows, grad_m, inv, loc.xs, g_t, ew
 
 
 def _mm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out (n, K) = a (n, d) @ w^T, in the statistics dtype.
 
     Low-precision (bf16) weights: the products are accumulated and written in float32, never
-    rounded to bf16 (a bf16 logit of magnitude 32-64 would be off by up to 0.125): on CUDA one
-    matmul with a float32 output; elsewhere (no such kernel) float32 blocks of weight rows.
+    rounded to bf16 (a bf16 logit of magnitude 32-64 would be off by up to 0.125): on a tensor-core
+    device one 16-bit GEMM writing float32 straight into ``out`` (no second (n, K) buffer); elsewhere
+    float32 blocks of weight rows (ds_xc_ops.matmul.mm_f32).
     """
     if a.dtype == w.dtype == out.dtype:
         return torch.mm(a, w.t(), out=out)
-    if w.is_cuda and out.dtype == torch.float32 and _CUDA_OUT_DTYPE[0]:
-        try:
-            out.copy_(torch.mm(a.to(w.dtype), w.t(), out_dtype=torch.float32))
-            return out
-        except (RuntimeError, NotImplementedError, TypeError) as exc:  # a torch without mm(out_dtype=)
-            _CUDA_OUT_DTYPE[0] = False
-            logging.getLogger(__name__).warning("torch.mm(out_dtype=float32) unavailable (%s): bf16 logits "
-                                                "use float32 blocks of weight rows", exc)
-    a32 = a.to(out.dtype)
-    for k in range(0, w.shape[0], _MM_ROWS):
-        torch.mm(a32, w[k: k + _MM_ROWS].to(out.dtype).t(), out=out[:, k: k + _MM_ROWS])  # (n, block)
-    return out
+    return mm_f32(a.to(w.dtype) if tensor_cores(w.dtype, w.device) else a, w.t(), out=out)
 
 
 def _accumulate(gw: torch.Tensor, m: torch.Tensor, x: torch.Tensor, first: bool) -> None:
-    """gw (K, d) (+)= m^T (K, n) @ x (n, d), in place; the first chunk overwrites (no zero fill)."""
+    """gw (K, d) (+)= m^T (K, n) @ x (n, d), in place; the first chunk overwrites (no zero fill).
+    A 16-bit m (tensor-core devices, see _chunk_step): x joins it in 16 bits, accumulated in float32."""
+    if tensor_cores(m.dtype, m.device):
+        if first:
+            mm_f32(m.t(), x.to(m.dtype), out=gw)
+        else:
+            addmm_f32_(gw, m.t(), x.to(m.dtype))
+        return
     if m.dtype == gw.dtype and x.dtype == gw.dtype:
         if first:
             torch.mm(m.t(), x, out=gw)
@@ -334,11 +331,12 @@ def _run_chunks(xw, w, rw, targets, loss: TargetLoss, red: Reducer, step: int, b
         total += rows.sum()
         if m is None:
             continue
-        own = (tc >= 0).nonzero().squeeze(1)  # rows whose target is on this rank
-        tcol = tc.index_select(0, own)
+        # every row takes its target term: g_t is 0 on rows whose target is on another rank (static
+        # shapes, no host sync); those rows point at column 0 and add exact zeros there
+        tcol = tc.clamp_min(0)  # (n,)
         if need_gx:
             gxs = ew * inv[:, None]  # (n, d): d/d(xs)
-            gxs.index_add_(0, own, g_t.index_select(0, own)[:, None] * w.index_select(0, tcol).to(sd))
+            gxs += g_t[:, None] * w.index_select(0, tcol).to(sd)
             if loss.normalised:  # through x/|x|: remove the radial part, divide by |x|
                 radial = (gxs * xs).sum(dim=1, keepdim=True)
                 gxs = (gxs - xs * radial) * (1.0 / xc.to(sd).norm(dim=1).clamp_min(_EPS))[:, None]
@@ -346,16 +344,23 @@ def _run_chunks(xw, w, rw, targets, loss: TargetLoss, red: Reducer, step: int, b
         if need_gw:
             xs_sd = xs.to(sd)
             _accumulate(gw, m, xs_sd * inv[:, None], first=a == 0 and not accumulate)
-            t_rows = g_t.index_select(0, own)[:, None] * xs_sd.index_select(0, own)  # (n_own, d)
+            t_rows = g_t[:, None] * xs_sd  # (n, d)
             if folded is None:
-                gw.index_add_(0, tcol, t_rows)
+                _add_rows(gw, tcol, t_rows)
             else:
                 targets_gw.append((tcol, t_rows))
     if folded is not None and need_gw and n_rows:
         gw.mul_((loss.scale * rw)[:, None])
         for tcol, t_rows in targets_gw:
-            gw.index_add_(0, tcol, t_rows)
+            _add_rows(gw, tcol, t_rows)
     return total
+
+
+def _add_rows(gw: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor) -> None:
+    """gw[cols[i]] += rows[i], summing repeated columns deterministically: ``index_put_`` with
+    ``accumulate=True`` sorts the columns on a GPU (index_add_ would race with atomics) and runs in
+    order on a CPU, where the sums are those of index_add_."""
+    gw.index_put_((cols,), rows, accumulate=True)
 
 
 class _ShardedMarginLoss(torch.autograd.Function):
@@ -388,7 +393,10 @@ class _ShardedMarginLoss(torch.autograd.Function):
 
 
 def _mm_rows(m: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """m (n, K) @ w (K, d) -> (n, d) in m's dtype."""
+    """m (n, K) @ w (K, d) -> (n, d) in the statistics dtype: 16-bit operands on a tensor-core device
+    into float32; on a CPU, float32 M against 16-bit w as before (a 16-bit product, then float32)."""
+    if tensor_cores(m.dtype, m.device):
+        return mm_f32(m, w.to(m.dtype))
     if m.dtype == w.dtype:
         return m @ w
     return (m.to(w.dtype) @ w).to(m.dtype)

@@ -64,11 +64,11 @@ class Workspace:
 
 class _GatherRows(torch.autograd.Function):
     """weight[index] into a workspace buffer; the gradient goes back row-sparse (as
-    ``F.embedding(sparse=True)``: an uncoalesced COO tensor over ``index``) or dense."""
+    ``F.embedding(sparse=True)``: a COO tensor over ``index``, marked coalesced when ``distinct``) or dense."""
 
     @staticmethod
-    def forward(ctx, weight, index, sparse, workspace):
-        ctx.index, ctx.sparse, ctx.shape = index, sparse, weight.shape
+    def forward(ctx, weight, index, sparse, workspace, distinct=False):
+        ctx.index, ctx.sparse, ctx.shape, ctx.distinct = index, sparse, weight.shape, distinct
         shape = (index.numel(),) + tuple(weight.shape[1:])
         out = workspace.buffer("active_rows", shape, weight.dtype, weight.device) if workspace is not None \
             else torch.empty(shape, dtype=weight.dtype, device=weight.device)
@@ -81,15 +81,21 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if ctx.sparse:
-            # the rows are the sampler's ids, in range by construction: no invariant check (as F.embedding)
-            g = torch.sparse_coo_tensor(ctx.index.view(1, -1), grad, ctx.shape, check_invariants=False)
+            # the rows are the sampler's ids, in range by construction: no invariant check (as F.embedding);
+            # sorted and distinct ids make a coalesced tensor as they are (no sort, no host sync later)
+            g = torch.sparse_coo_tensor(ctx.index.view(1, -1), grad, ctx.shape, check_invariants=False,
+                                        is_coalesced=ctx.distinct)
+        elif ctx.distinct:  # distinct rows: a copy, no accumulation (deterministic on every device)
+            g = grad.new_zeros(ctx.shape).index_copy_(0, ctx.index, grad)
         else:
             g = grad.new_zeros(ctx.shape).index_add_(0, ctx.index, grad)
-        return g, None, None, None
+        return g, None, None, None, None
 
 
-def gather_rows(weight: torch.Tensor, index: torch.Tensor, sparse: bool, workspace: Workspace | None = None):
+def gather_rows(weight: torch.Tensor, index: torch.Tensor, sparse: bool, workspace: Workspace | None = None,
+                distinct: bool = False):
     """(K, d) = weight[index] with autograd: the gradient flows back into ``weight`` row-sparse
     (``sparse``) or dense, as ``F.embedding(index, weight, sparse=sparse)`` would send it. With a
-    ``workspace`` the rows land in its kept buffer (valid until the next call)."""
-    return _GatherRows.apply(weight, index, bool(sparse), workspace)
+    ``workspace`` the rows land in its kept buffer (valid until the next call). ``distinct``: the ids
+    are sorted and distinct (a sampler's active set), so the sparse gradient is coalesced as built."""
+    return _GatherRows.apply(weight, index, bool(sparse), workspace, bool(distinct))

@@ -187,7 +187,7 @@ class ChunkedHeadSchedule:
         head.last_active = active
         if head.lazy_catch_up is not None:  # update lazy_exact: the rows read below, up to date
             for _, index in active.groups():
-                head.lazy_catch_up(index)
+                head.lazy_catch_up(index, active=True)
         groups = [(rows, index, head.weight.detach() if index is None else head.weight.detach()[index])
                   for rows, index in active.groups()]  # (K, d) active rows, gathered once per step
         norms = [inverse_row_norms(w, head.loss_fn) for _, _, w in groups]  # (K,) once per step, not per chunk

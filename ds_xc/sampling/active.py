@@ -1,85 +1,135 @@
-"""Assembling a fixed-size active set: positives, then ranked candidates, then uniform fill.
+"""Assembling a fixed-size active set on the device: positives, then ranked candidates, then uniform fill.
 
-Legend: L classes of the shard, K budget, n rows, r candidates per row.
+Legend: L classes of the shard, K active classes, N rows, E candidate entries (N x r, flattened in
+priority order), C the core prefix (positives and kept candidates, a static bound).
 
 Every sampler that is not ``full`` builds its active set here, so the rules are one:
-the positives of the rows are always kept (K grows past the budget only when they alone
-exceed it); candidates are taken in rank order across rows (every row's best, then every
-row's second best, ...), duplicates and positives skipped, until the budget is reached;
-what did not fit is counted as cut; the rest is filled with uniformly drawn classes.
-The result is sorted, so targets are remapped with a binary search.
+
+* the size is fixed: ``K = max(budget, min(N, L))`` (:func:`active_size`), a function of the
+  shapes only, so a step has static shapes (what CUDA graphs need) and no host sync: the positives
+  of N rows are at most min(N, L) classes, so they always fit, and when there are fewer the rest is
+  filled (where the budget is smaller than the batch, K is larger than the budget, never smaller);
+* the positives of the rows are always active;
+* candidates are taken in priority order (for ANN every row's best, then every row's second
+  best, ...), duplicates and positives skipped, at most ``ceil(candidate_share * (K - positives))``
+  of them; what did not fit is counted as cut;
+* the rest is filled with uniformly drawn classes (fill.py: one score per class on the device).
+
+All of it is Partial FC's score-and-topk pattern: one score per class of the shard (3 for a
+positive, 2 for a kept candidate, a uniform draw in [0, 1) otherwise), then ``topk(K)``. A class has
+one score, so duplicates cost nothing; the K winners are sorted, and each row's target column is
+read from an (L+1,) map (the extra slot is a sink for rows whose class is elsewhere). The counts
+(positives, retrieved, kept, cut, fill) stay on the device until they are read (:class:`Stats`).
 """
 from __future__ import annotations
 
 import math
-
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-__all__ = ["assemble", "remap_targets", "ranked_unique"]
+from ds_xc.sampling.fill import FillStream
+
+__all__ = ["active_size", "core_size", "assemble", "Assembled", "Stats"]
+
+POSITIVE, KEPT = 3.0, 2.0  # scores above every uniform draw in [0, 1)
 
 
-def ranked_unique(candidates: torch.Tensor, num_local: int) -> torch.Tensor:
-    """Distinct ids in [0, L) of candidates (n, r) (-1 = none), in rank-major order of first
-    appearance. O(n r + L), no sort: each id's first position is found by a scatter-min."""
-    flat = candidates.t().reshape(-1)  # rank 0 of every row, then rank 1, ...
-    flat = flat[flat >= 0]
-    if flat.numel() == 0:
-        return flat
-    order = torch.arange(flat.numel(), device=flat.device)
-    first = torch.full((num_local,), flat.numel(), dtype=torch.int64, device=flat.device)
-    first.scatter_reduce_(0, flat, order, reduce="amin")
-    return flat[first[flat] == order]
+def active_size(budget: int, rows: int, num_local: int) -> int:
+    """K = max(budget, min(N, L)): room for every positive of N rows, at least the budget."""
+    return min(int(num_local), max(int(budget), int(rows)))
 
 
-def _uniform_fill(taken: torch.Tensor, count: int, num_local: int, gen: torch.Generator) -> torch.Tensor:
-    """``count`` distinct ids of [0, L) not marked in ``taken`` (L,) bool, uniformly at random."""
-    if count <= 0:
-        return torch.empty(0, dtype=torch.int64, device=taken.device)
-    free = num_local - int(taken.sum())
-    if count * 4 > free:  # dense case: one random score per class
-        score = torch.rand(num_local, generator=gen, device=gen.device).to(taken.device)
-        score[taken] = -1.0
-        return torch.topk(score, count, sorted=False).indices
-    picked = []
-    mask = taken.clone()
-    need = count
-    while need > 0:  # sparse case: draw with replacement, drop repeats and taken ids
-        draw = torch.randint(0, num_local, (need + need // 4 + 16,), generator=gen, device=gen.device)
-        draw = draw.to(taken.device)
-        draw = draw[~mask[draw]]
-        draw = ranked_unique(draw[None, :], num_local)[:need]  # distinct, in draw order
-        mask[draw] = True
-        picked.append(draw)
-        need -= draw.numel()
-    return torch.cat(picked)
+def core_size(size: int, rows: int, num_local: int, candidate_share: float) -> int:
+    """A static bound on positives + kept candidates among K = ``size`` active classes: the first C
+    of the ranked winners hold them all (min(N, L) positives at most, ceil(share * K) candidates)."""
+    cap = size if candidate_share >= 1.0 else math.ceil(candidate_share * size)
+    return min(int(size), min(int(rows), int(num_local)) + cap)
 
 
-def assemble(positives: torch.Tensor, candidates: Optional[torch.Tensor], budget: int, num_local: int,
-             gen: torch.Generator, candidate_share: float = 1.0) -> tuple[torch.Tensor, dict, torch.Tensor]:
-    """(sorted active ids (K,), counts, kept candidates) from positives (P,) and ranked
-    candidates (n, r) or None; candidates take at most ``candidate_share`` of the room
-    left after the positives, uniform fill the rest."""
-    device = positives.device
-    taken = torch.zeros(num_local, dtype=torch.bool, device=device)
-    taken[positives] = True
-    k = max(budget, int(positives.numel()))
-    room = k - int(positives.numel())
-    ranked = ranked_unique(candidates, num_local) if candidates is not None else positives[:0]
-    ranked = ranked[~taken[ranked]]
-    kept = ranked[:room if candidate_share >= 1.0 else math.ceil(candidate_share * room)]
-    taken[kept] = True
-    fill = _uniform_fill(taken, room - kept.numel(), num_local, gen)
-    index = torch.cat([positives, kept, fill]).sort().values
-    stats = {"active": index.numel(), "positives": int(positives.numel()), "retrieved": int(ranked.numel()),
-             "kept": int(kept.numel()), "cut": int(ranked.numel() - kept.numel()), "fill": int(fill.numel())}
-    return index, stats, kept
+class Stats:
+    """The counts of one assembly, kept as device tensors (no host sync when a step makes them);
+    :meth:`read` turns them into Python ints, for logging."""
+
+    def __init__(self, **counts):
+        self._counts = counts  # name -> int or 0-dim tensor
+
+    def tensors(self) -> dict:
+        return dict(self._counts)
+
+    def read(self) -> dict:
+        return {k: int(v) for k, v in self._counts.items()}
+
+    @staticmethod
+    def total(parts: list) -> "Stats":
+        """The sums over several assemblies (sample groups)."""
+        if len(parts) == 1:
+            return parts[0]
+        keys = parts[0]._counts.keys()
+        return Stats(**{k: sum(p._counts[k] for p in parts) for k in keys})
 
 
-def remap_targets(index: torch.Tensor, local: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
-    """Each row's column in the sorted active ``index`` (K,), or -1 (off shard or not active)."""
-    pos = torch.searchsorted(index, local.clamp(0, None))
-    pos = pos.clamp(max=max(index.numel() - 1, 0))
-    found = mine & (index[pos] == local)
-    return torch.where(found, pos, torch.full_like(pos, -1))
+@dataclass
+class Assembled:
+    index: torch.Tensor  # (K,) sorted local ids
+    targets: torch.Tensor  # (N,) column of each row's class in index, -1 elsewhere
+    stats: Stats
+    core: Optional[torch.Tensor] = None  # (C,) local ids: positives and kept candidates first, then fill
+    core_mask: Optional[torch.Tensor] = None  # (C,) bool: which entries of core are positives or kept
+
+
+def _slots(local: torch.Tensor, mine: torch.Tensor, num_local: int) -> torch.Tensor:
+    """(N,) each row's class on this shard, or the sink slot L for rows whose class is elsewhere."""
+    return torch.where(mine, local, num_local)
+
+
+def assemble(local: torch.Tensor, mine: torch.Tensor, num_local: int, size: int, fill: FillStream,
+             candidates: Optional[torch.Tensor] = None, candidate_share: float = 1.0,
+             core: int = 0) -> Assembled:
+    """The active set of K = ``size`` classes (see the module docstring).
+
+    local (N,) the rows' labels minus the shard's first class, mine (N,) whether on this shard;
+    candidates (E,) local ids in priority order (-1: none) or None; ``core`` > 0 also returns the
+    first ``core`` winners (positives and kept candidates, then fill) and their mask.
+    """
+    device = local.device
+    slots = _slots(local, mine, num_local)  # (N,)
+    scores = fill.scores(torch.empty(num_local + 1, dtype=torch.float32, device=device))  # (L+1,)
+    scores.index_fill_(0, slots, POSITIVE)
+    positives = (scores[:num_local] == POSITIVE).sum()  # () distinct positives
+    counts = {"active": size, "positives": positives}
+    if candidates is not None:
+        counts.update(_keep_candidates(scores, candidates, num_local, size, positives, candidate_share))
+    else:
+        counts.update(retrieved=0, kept=0, cut=0)
+    counts["fill"] = size - positives - counts["kept"]
+    top = torch.topk(scores[:num_local], size, sorted=core > 0)  # (K,) winners, ranked when the core is asked
+    index = top.indices.sort().values  # (K,)
+    column = torch.full((num_local + 1,), -1, dtype=torch.int64, device=device)  # (L+1,) class -> column
+    column.index_copy_(0, index, torch.arange(size, device=device))
+    out = Assembled(index=index, targets=column.index_select(0, slots), stats=Stats(**counts))
+    if core > 0:
+        out.core, out.core_mask = top.indices[:core], top.values[:core] >= KEPT
+    return out
+
+
+def _keep_candidates(scores: torch.Tensor, candidates: torch.Tensor, num_local: int, size: int,
+                     positives: torch.Tensor, share: float) -> dict:
+    """Mark the kept candidates' scores KEPT: the first appearance of each non-positive class in
+    priority order, the first ``cap`` of them; returns the counts (device tensors)."""
+    e = candidates.reshape(-1)  # (E,) in priority order
+    num = e.numel()
+    slots = torch.where(e >= 0, e, num_local)  # (E,) -1 -> the sink
+    order = torch.arange(num, device=e.device)
+    first = torch.full((num_local + 1,), num, dtype=torch.int64, device=e.device)
+    first.scatter_reduce_(0, slots, order, reduce="amin")  # (L+1,) each class's first entry
+    new = (first.index_select(0, slots) == order) & (scores.index_select(0, slots) < POSITIVE) & (e >= 0)  # (E,)
+    ordinal = torch.cumsum(new, 0)  # (E,) 1-based rank among the distinct new candidates
+    room = size - positives
+    cap = room if share >= 1.0 else torch.ceil(room.double() * share).long()  # as math.ceil in float64
+    keep = new & (ordinal <= cap)
+    scores.index_fill_(0, torch.where(keep, slots, num_local), KEPT)
+    retrieved = ordinal[-1] if num else torch.zeros((), dtype=torch.int64, device=e.device)
+    kept = torch.minimum(retrieved, cap)
+    return {"retrieved": retrieved, "kept": kept, "cut": retrieved - kept}

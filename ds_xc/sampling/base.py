@@ -12,7 +12,6 @@ row's target is its column in its own group's set.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 from dataclasses import dataclass
@@ -20,9 +19,11 @@ from typing import Optional, Union
 
 import torch
 
+from ds_xc.sampling.fill import FillStream
+
 log = logging.getLogger(__name__)
 
-__all__ = ["ActiveSet", "Sampler", "local_targets", "budget", "restore_generator"]
+__all__ = ["ActiveSet", "Sampler", "local_targets", "budget"]
 
 
 @dataclass
@@ -72,16 +73,15 @@ def local_targets(labels: torch.Tensor, class_start: int, num_local: int) -> tup
 
 
 class Sampler:
-    """Base class. Subclasses implement :meth:`sample`; state (RNG, indexes) round-trips
-    through :meth:`state_dict` / :meth:`load_state_dict`.
+    """Base class. Subclasses implement :meth:`sample`; state (the fill stream, indexes)
+    round-trips through :meth:`state_dict` / :meth:`load_state_dict`.
 
-    Devices: ``self.generator`` is always a CPU generator, whatever ``device`` the sampler
-    serves. Random draws are made on the CPU and the drawn ids moved to the device
-    (see active._uniform_fill), so the sampling decisions are the same on every device and
-    dtype, and the saved generator state (a CPU mt19937 state) restores on any machine.
-    (A CUDA generator's state is a different object, a seed and an offset, and cannot be
-    transplanted into a CPU generator or back.) Device-bound state (a kNN graph, an ANN
-    index) follows :meth:`to`, which the head calls from ``head.to(...)``.
+    A training step of every sampler is static and sync-free on the device (docs/head.md, "The GPU
+    step"): the active set has a size fixed by the shapes (active.py), the uniform fill is drawn on
+    the device from a counter-based stream (``self.fill``, fill.py: reproducible and
+    checkpoint-portable, its state three integers), and the counts of the last step stay on the
+    device until read (:attr:`last_stats`). Device-bound state (a kNN graph, an ANN index) follows
+    :meth:`to`, which the head calls from ``head.to(...)``; so does the fill stream.
     """
 
     needs_embeddings = False  # True when the sampler looks at the gathered embeddings
@@ -98,22 +98,34 @@ class Sampler:
     def __init__(self, config, num_local: int, class_start: int, seed: int, rank: int, device=None):
         self.config, self.num_local, self.class_start = config, num_local, class_start
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.generator = torch.Generator(device="cpu")  # always CPU: see the class docstring
-        # distinct, reproducible stream per rank and seed
-        self.generator.manual_seed((int(seed) * 1_000_003 + 7919 * (rank + 1)) % (2**63))
+        # a distinct, reproducible stream per rank and seed
+        self.fill = FillStream(seed, rank, self.device)
+        self._stats = None  # active.Stats of the last step (device tensors until read)
+
+    @property
+    def last_stats(self) -> dict:
+        """The counts of the last step's active set (active, positives, retrieved, kept, cut, fill
+        and, for index-based samplers, staleness) as Python ints: reading them syncs with the
+        device, so read them when a log line is due, not every step."""
+        return {} if self._stats is None else dict(self._stats.read(), **self._extra_stats())
+
+    def _extra_stats(self) -> dict:
+        return {}
 
     def sample(self, labels: torch.Tensor, embeddings: Optional[torch.Tensor],
                weight: torch.Tensor) -> ActiveSet:
         raise NotImplementedError
 
     def to(self, device) -> "Sampler":
-        """Serve ``device`` from now on: device-bound state moves there (:meth:`_move_state`);
-        the generator stays on the CPU. Leaving the meta device drops what meta tensors
-        stood for (they hold no values): an index or graph is rebuilt at the next forward."""
+        """Serve ``device`` from now on: device-bound state moves there (:meth:`_move_state`), the
+        fill stream draws there. Leaving the meta device drops what meta tensors stood for (they
+        hold no values): an index or graph is rebuilt at the next forward."""
         device = torch.device(device)
         if device != self.device:
             from_meta = self.device.type == "meta"
             self.device = device
+            self.fill.to(device)
+            self._stats = None
             self._move_state(device, from_meta)
         return self
 
@@ -121,28 +133,7 @@ class Sampler:
         """Move device-bound state (subclasses with an index or graph override this)."""
 
     def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state()}
+        return {"fill": self.fill.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        restore_generator(self.generator, state["generator"])
-
-
-def restore_generator(gen: torch.Generator, state: torch.Tensor) -> None:
-    """Load a saved generator state into the CPU generator ``gen``.
-
-    The state is a CPU ByteTensor wherever it was saved from (it is copied to the CPU if a
-    loader mapped it elsewhere). A state of another size is the state of a CUDA generator,
-    which samplers kept before their generators moved to the CPU: it cannot be loaded into
-    a CPU generator, so ``gen`` is reseeded from a hash of its bytes (deterministic: the
-    same checkpoint resumes with the same stream every time) and a warning says so.
-    """
-    state = state.detach().to("cpu", torch.uint8)
-    if state.numel() == gen.get_state().numel():
-        gen.set_state(state)
-        return
-    digest = hashlib.blake2b(state.numpy().tobytes(), digest_size=8).digest()
-    seed = int.from_bytes(digest, "little") % (2**63)
-    gen.manual_seed(seed)
-    log.warning("sampler generator state of %d bytes is not a CPU generator state (%d bytes): a CUDA "
-                "generator's, from an older checkpoint; the sampler's stream is reseeded from it (seed %d)",
-                state.numel(), gen.get_state().numel(), seed)
+        self.fill.load_state_dict(state.get("fill", state))

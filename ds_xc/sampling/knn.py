@@ -4,10 +4,12 @@ Legend: L classes of the shard, d dim, k neighbours per class.
 
 A k-nearest-neighbour graph over the shard's unit class weights, (L, k) local ids by
 decreasing cosine, is built at the first training forward, after loading, and every
-``rebuild_interval`` steps (at doubling gaps from ``rebuild_warmup`` early on): ``exact`` by chunked matmul + top-k (O(L^2 d): for shards up
-to ~10^5 classes on a CPU), ``ann`` through an ANN index (binary codes + inverted file,
-re-ranked exactly) for large shards. Neighbours of the batch's positives are taken in
-rank order (every positive's nearest, then every positive's second nearest, ...).
+``rebuild_interval`` steps (at doubling gaps from ``rebuild_warmup`` early on): ``exact`` by matmul + top-k
+over row tiles of bounded size (O(L^2 d): for shards up to ~10^5 classes on a CPU), ``ann`` through an ANN
+index (binary codes + inverted file, re-ranked exactly) for large shards. Neighbours of the batch's
+positives are taken in rank order (every positive's nearest, then every positive's second nearest, ...;
+within a rank by class id). A step between rebuilds is static and sync-free (active.py): the rows'
+neighbour lists (N, k) are read whole, rows of other shards masked out.
 """
 from __future__ import annotations
 
@@ -17,21 +19,27 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ds_xc.sampling.active import assemble, remap_targets
+from ds_xc.sampling.active import active_size, assemble
 from ds_xc.sampling.ann.index import AnnIndex, exact_cosine_rerank
-from ds_xc.sampling.base import ActiveSet, Sampler, budget, local_targets, rebuild_due, restore_generator
+from ds_xc.sampling.base import ActiveSet, Sampler, budget, local_targets, rebuild_due
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KnnSampler", "knn_graph_exact", "knn_graph_ann"]
+__all__ = ["KnnSampler", "knn_graph_exact", "knn_graph_ann", "TILE_BYTES"]
+
+TILE_BYTES = 256 << 20  # largest (rows x L) float32 similarity tile of an exact graph build
 
 
 @torch.no_grad()
-def knn_graph_exact(weight: torch.Tensor, k: int, chunk: int = 4096) -> torch.Tensor:
-    """(L, k) ids of each row's k most similar other rows by cosine, best first."""
+def knn_graph_exact(weight: torch.Tensor, k: int, chunk: int = 4096, tile_bytes: int = TILE_BYTES) -> torch.Tensor:
+    """(L, k) ids of each row's k most similar other rows by cosine, best first.
+
+    Rows are scored in tiles of at most ``chunk`` rows and ``tile_bytes`` of (rows, L) float32
+    similarities (256 MiB: 64 rows at L = 10^6 instead of a 16 GB tile of 4,096 rows)."""
     wn = F.normalize(weight.detach().float(), dim=1)
     n = wn.shape[0]
     k = min(k, n - 1)
+    chunk = max(1, min(chunk, tile_bytes // (4 * max(n, 1))))
     out = torch.empty((n, k), dtype=torch.int64, device=wn.device)
     for a in range(0, n, chunk):
         sims = wn[a: a + chunk] @ wn.t()  # (c, L)
@@ -66,7 +74,6 @@ class KnnSampler(Sampler):
         self.graph: Optional[torch.Tensor] = None  # (L, k)
         self.steps, self.built_at = 0, None
         self.graph_seed = int(seed) * 7919 + 131 * (rank + 1)
-        self.last_stats: dict = {}
 
     def rebuild(self, weight: torch.Tensor) -> None:
         """Rebuild the neighbour graph from ``weight`` now."""
@@ -87,9 +94,22 @@ class KnnSampler(Sampler):
     def staleness(self) -> int:
         return -1 if self.built_at is None else self.steps - self.built_at
 
+    def _extra_stats(self) -> dict:
+        return {"staleness": self.staleness}
+
+    def candidates(self, local: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
+        """(N k,) the positives' neighbours in priority order: rank-major, within a rank by class id
+        (rows sorted by their class; rows of other shards give -1)."""
+        slots = torch.where(mine, local, self.num_local)  # (N,) other shards sort last
+        order = torch.sort(slots, stable=True)  # (N,)
+        rows = order.values.clamp(max=self.num_local - 1)
+        cand = self.graph.index_select(0, rows)  # (N, k)
+        cand = torch.where((order.values < self.num_local)[:, None], cand, -1)
+        return cand.t().reshape(-1)  # (k N,) every row's nearest, then every row's second nearest, ...
+
     def sample(self, labels, embeddings, weight) -> ActiveSet:
         local, mine = local_targets(labels, self.class_start, self.num_local)
-        k = budget(self.config.sample_rate, self.num_local)
+        k = active_size(budget(self.config.sample_rate, self.num_local), labels.numel(), self.num_local)
         if k >= self.num_local:
             return ActiveSet(index=torch.arange(self.num_local, device=labels.device),
                              targets=torch.where(mine, local, torch.full_like(local, -1)))
@@ -97,13 +117,11 @@ class KnnSampler(Sampler):
         if self.graph is None or self.built_at is None or rebuild_due(
                 self.steps, self.built_at, c.rebuild_interval, c.rebuild_warmup):
             self.rebuild(weight)
-        positives = torch.unique(local[mine])
-        index, self.last_stats, _ = assemble(positives, self.graph[positives], k, self.num_local, self.generator,
-                                              c.retrieved_share)
-        self.last_stats["staleness"] = self.staleness
+        out = assemble(local, mine, self.num_local, k, self.fill, self.candidates(local, mine), c.retrieved_share)
+        self._stats = out.stats
         if torch.is_grad_enabled():
             self.steps += 1
-        return ActiveSet(index=index, targets=remap_targets(index, local, mine))
+        return ActiveSet(index=out.index, targets=out.targets)
 
     def _move_state(self, device: torch.device, from_meta: bool) -> None:
         if self.graph is None:
@@ -114,11 +132,10 @@ class KnnSampler(Sampler):
             self.graph = self.graph.to(device)  # (L, k) int64
 
     def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state(), "steps": self.steps, "built_at": self.built_at,
-                "graph": self.graph}
+        return dict(super().state_dict(), steps=self.steps, built_at=self.built_at, graph=self.graph)
 
     def load_state_dict(self, state: dict) -> None:
-        restore_generator(self.generator, state["generator"])
+        super().load_state_dict(state)
         self.steps, self.built_at = int(state["steps"]), state["built_at"]
         self.graph = None if state["graph"] is None else state["graph"].to(self.device)
         if self.graph is None:

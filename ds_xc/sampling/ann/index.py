@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from typing import Optional
 
 import torch
@@ -36,6 +37,7 @@ from ds_xc.sampling.ann.codes import (encode, encode_with_margins, itq_projectio
 from ds_xc.sampling.ann.ivf import assign, build_lists, kmeans_sample, spherical_kmeans
 from ds_xc_ops import rows as native_rows
 from ds_xc_ops.hamming import hamming_topk_ivf
+from ds_xc_ops.matmul import LOW_PRECISION, bmm_f32
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,15 @@ _ITQ_SAMPLE = 20000  # rows used to learn the ITQ rotation
 _BUILD_CHUNK = 1 << 15  # rows assigned and encoded at a time by build()
 _REFRESH_CHUNK = 1 << 13  # rows checked (and re-encoded) at a time by refresh()
 _U = 2.0 ** -24  # float32 unit roundoff
+_RERANK_BYTES = 256 << 20  # largest (queries, candidates, d) block of gathered rows in a re-rank
+TRACKING_ENV = "DS_XC_ANN_TRACKING"  # "0": no safe-radius tracking (see AnnIndex.refresh)
+
+
+def tracking_allowed(device: torch.device) -> bool:
+    """The safe-radius tracking of ``refresh`` skips the rows whose codes cannot have changed: work
+    saved on a CPU, at the price of data-dependent sizes (a host sync per refresh). On other devices,
+    and with ``DS_XC_ANN_TRACKING=0``, every row asked for is re-encoded: static, sync-free."""
+    return device.type == "cpu" and os.environ.get(TRACKING_ENV, "1") != "0"
 
 
 def _matmul_roundoff(device: torch.device) -> float:
@@ -84,10 +95,16 @@ class AnnIndex:
         self.builds = 0
         self.last_refresh = (0, 0)  # (rows checked, rows re-encoded) by the last refresh
         self._full_refreshes, self._retry_at = 0, 0  # refreshes of every row; when tracking may restart
+        self._plan = None  # (key, (flat, width)) of probe(): see _probe_plan
 
     @property
     def built(self) -> bool:
         return self.list_codes is not None
+
+    @property
+    def list_sizes(self) -> torch.Tensor:
+        """(c,) rows per list."""
+        return self.list_offsets[1:] - self.list_offsets[:-1]
 
     def num_lists(self, rows: int) -> int:
         return min(rows, self.nlist_config or max(1, round(math.sqrt(rows))))
@@ -188,9 +205,22 @@ class AnnIndex:
         momentum), tracking pauses for ``retry_every`` such refreshes. P's columns are unit vectors (an
         orthogonal rotation or ITQ's PCA times a rotation), so max_j |p_j| is 1 up to rounding; it is
         measured anyway. Cost: O(R*d) to check, plus O(R'*d*b) for the R' rows re-encoded.
+
+        Tracking runs on the CPU only (:func:`tracking_allowed`): its R' is data-dependent, a host sync
+        on a GPU, where encoding all R rows costs less than the wait. ``rows`` may repeat (the sampler
+        passes fixed-size lists): a repeated row gets the same code twice.
         """
         if rows is not None and rows.numel() == 0:
             self.last_refresh = (0, 0)
+            return
+        if not tracking_allowed(weight.device):  # static: every row asked for, re-encoded
+            self.encoded_from = self.radius = None
+            total = weight.shape[0] if rows is None else rows.numel()
+            for a in range(0, total, _REFRESH_CHUNK):
+                sel = slice(a, min(a + _REFRESH_CHUNK, total)) if rows is None else rows[a: a + _REFRESH_CHUNK]
+                ids = torch.arange(sel.start, sel.stop, device=weight.device) if rows is None else sel  # (R,)
+                self.list_codes[self.position[ids]] = self.encode(self.unit_rows(weight[sel], normalise=False))
+            self.last_refresh = (total, total)
             return
         tracked = self.encoded_from is not None
         if rows is None:
@@ -221,36 +251,54 @@ class AnnIndex:
             log.debug("ANN refresh re-encoded %d of %d rows: tracking paused for %d refreshes", encoded, total,
                       self.retry_every)
 
+    def _probe_plan(self, nprobe: int, scan_rows: int) -> tuple[bool, int]:
+        """(scan every list, lists ranked per query) for ``probe``: host ints from the list sizes,
+        computed once per build (one host sync then) and kept until the next build or load."""
+        key = (self.builds, self.list_offsets.data_ptr(), nprobe, scan_rows)
+        if self._plan is None or self._plan[0] != key:
+            sizes = (self.list_offsets[1:] - self.list_offsets[:-1]).tolist()  # (c,) at build time only
+            c = len(sizes)
+            if sum(sizes) <= scan_rows:  # the whole shard is within budget: every list
+                plan = (True, c)
+            else:
+                # No query keeps more lists than nprobe or than the smallest lists whose sizes stay under the
+                # budget (rows before a list are at least the sum of that many smallest lists).
+                before, count = 0, 0
+                for size in sorted(sizes):
+                    if before >= scan_rows:
+                        break
+                    before, count = before + size, count + 1
+                plan = (False, min(c, max(nprobe, count)))
+            self._plan = (key, plan)
+        return self._plan[1]
+
     @torch.no_grad()
     def probe(self, unit_queries: torch.Tensor, nprobe: int, scan_rows: int = 0) -> torch.Tensor:
-        """Lists to scan per query (N, P), best centroid first, -1 = none.
+        """Lists to scan per query (N, W), best centroid first, -1 = none.
 
         The nprobe lists of largest centroid score, then further lists in score order while
         the query has fewer than ``scan_rows`` rows to scan: a budget in rows rather than
         lists, so a small shard (<= scan_rows rows) is scanned flat and a large one keeps
-        its cost bounded.
+        its cost bounded. W is fixed per build (``_probe_plan``), so a step has static shapes
+        and no host sync: queries that keep fewer lists are padded with -1.
         """
         scores = unit_queries @ self.centroids.t()  # (N, c)
         c = scores.shape[1]
         nprobe = min(nprobe, c)
         if scan_rows <= 0 or nprobe == c:
             return torch.topk(scores, nprobe, dim=1).indices
-        sizes = self.list_offsets[1:] - self.list_offsets[:-1]  # (c,)
-        if int(sizes.sum()) <= scan_rows:  # the whole shard is within budget: every list
+        flat, width = self._probe_plan(nprobe, scan_rows)
+        if flat:
             return torch.arange(c, device=scores.device).expand(scores.shape[0], c).contiguous()
-        # No query keeps more lists than nprobe or than the smallest lists whose sizes stay under the budget
-        # (rows before a list are at least the sum of that many smallest lists): only those are ranked.
-        smallest = torch.sort(sizes).values
-        width = max(nprobe, int(((torch.cumsum(smallest, 0) - smallest) < scan_rows).sum()))
         if width < c:  # a partial sort: at 10^6 rows, ~100 of 1,000 lists
-            order = torch.topk(scores, width, dim=1).indices  # (N, width), best first
+            order = torch.topk(scores, width, dim=1).indices  # (N, W), best first
         else:
             order = torch.argsort(scores, dim=1, descending=True)  # (N, c)
-        before = torch.cumsum(sizes[order], dim=1) - sizes[order]  # rows scanned before each list
+        sizes = self.list_sizes.index_select(0, order.reshape(-1)).view(order.shape)  # (N, W)
+        before = torch.cumsum(sizes, dim=1) - sizes  # rows scanned before each list
         keep = before < scan_rows
-        keep[:, :nprobe] = True
-        width = int(keep.sum(dim=1).max())  # keep is a prefix per row
-        return torch.where(keep, order, -1)[:, :width]
+        keep[:, :nprobe].fill_(True)
+        return torch.where(keep, order, -1)
 
     @torch.no_grad()
     def search(self, queries: torch.Tensor, nprobe: int, k: int, scan_rows: int = 0) -> torch.Tensor:
@@ -302,38 +350,36 @@ class AnnIndex:
 
 @torch.no_grad()
 def exact_cosine_rerank(queries: torch.Tensor, weight: torch.Tensor, candidates: torch.Tensor, k: int,
-                        chunk: int = 32, metric: str = "cosine") -> torch.Tensor:
+                        metric: str = "cosine", block_bytes: int = _RERANK_BYTES) -> torch.Tensor:
     """Re-order candidates (N, R) (-1 = none) by the exact cosine (or dot product) with
-    queries (N, d); keep k.
+    queries (N, d); keep k: (N, k) local ids, -1 where fewer than k candidates exist.
 
     float32 rows on CPU: one kernel scores every candidate (``ds_xc_ops.rows.rerank_scores``: each
-    row read once, prefetched ahead). Otherwise the candidate rows are gathered ``chunk`` queries at
-    a time into one reused buffer
-    (``ds_xc_ops.rows.gather_rows``, rows prefetched ahead): the gather of N R random rows is most
-    of the cost, and a fresh (chunk, R, d) tensor per chunk costs page faults on top of it (a 2-3x
-    slower re-rank measured at chunk 128 with advanced indexing).
+    row read once, prefetched ahead). Otherwise the candidate rows of as many queries as fit in
+    ``block_bytes`` (every query at once at the defaults) are gathered and scored by one batched
+    matmul: 16-bit weights on tensor cores with float32 results (ds_xc_ops.matmul), float32 weights
+    at the user's matmul precision. Static shapes, no host sync.
     """
     n_rows, r = candidates.shape
-    out = torch.full((n_rows, k), -1, dtype=torch.int64, device=candidates.device)
     w_all = weight.detach()
     scores = native_rows.rerank_scores(queries.float().contiguous(), w_all, candidates.contiguous(),
                                        metric == "cosine")  # (N, R), one pass over the rows (float32, CPU)
-    if scores is not None:
-        top = torch.topk(scores, min(k, r), dim=1)
-        picked = candidates.gather(1, top.indices)
-        out[:, : picked.shape[1]] = torch.where(torch.isfinite(top.values), picked, -1)
-        return out
-    buf = w_all.new_empty((min(chunk, n_rows) * r, w_all.shape[1]))  # (chunk R, d), reused
-    for a in range(0, n_rows, chunk):
-        cand = candidates[a: a + chunk]  # (n, R)
-        valid = cand >= 0
-        flat = cand.clamp_min(0).reshape(-1)  # (n R,)
-        w = native_rows.gather_rows(w_all, flat, buf[: flat.numel()]).view(cand.shape[0], r, -1).float()
-        score = torch.bmm(w, queries[a: a + chunk].float().unsqueeze(2)).squeeze(2)  # (n, R)
-        if metric == "cosine":  # divide by the row norms rather than write a normalised copy of w
-            score = score / torch.linalg.vector_norm(w, dim=2).clamp_min(1e-12)
-        score = score.masked_fill(~valid, float("-inf"))
-        top = torch.topk(score, min(k, r), dim=1)
-        picked = cand.gather(1, top.indices)
-        out[a: a + chunk, : picked.shape[1]] = torch.where(torch.isfinite(top.values), picked, -1)
-    return out
+    if scores is None:
+        d = w_all.shape[1]
+        block = max(1, min(n_rows, block_bytes // max(1, r * d * w_all.element_size())))
+        scores = torch.empty((n_rows, r), dtype=torch.float32, device=candidates.device)
+        for a in range(0, n_rows, block):
+            cand = candidates[a: a + block]  # (n, R)
+            w = native_rows.gather_rows(w_all, cand.clamp_min(0).reshape(-1)).view(cand.shape[0], r, d)  # (n, R, d)
+            w = w if w.dtype in LOW_PRECISION else w.float()  # 16-bit rows stay 16-bit: tensor cores
+            q = queries[a: a + block].to(w.dtype).unsqueeze(2)  # (n, d, 1)
+            score = bmm_f32(w, q).squeeze(2)  # (n, R) float32
+            if metric == "cosine":  # divide by the row norms rather than write a normalised copy of w
+                score = score / torch.linalg.vector_norm(w, dim=2, dtype=torch.float32).clamp_min(1e-12)
+            scores[a: a + block] = score
+        scores.masked_fill_(candidates < 0, float("-inf"))
+    top = torch.topk(scores, min(k, r), dim=1)
+    picked = torch.where(torch.isfinite(top.values), candidates.gather(1, top.indices), -1)  # (N, min(k, R))
+    if picked.shape[1] == k:
+        return picked
+    return torch.cat([picked, picked.new_full((n_rows, k - picked.shape[1]), -1)], dim=1)

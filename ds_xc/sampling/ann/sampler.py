@@ -6,7 +6,8 @@ G groups, r = classes retrieved per row on this shard (its share of top_k: retri
 Per step and rank: the normalised gathered embeddings query this shard's index (binary
 codes + inverted file, optional exact re-rank); the global batch is split into G groups
 of rows, and each group's active set is its positives, then what its rows retrieved (in
-rank order), then uniform fill, cut to K = ceil(sample_rate * L) (see active.py). With
+rank order), then uniform fill, K = max(ceil(sample_rate * L), min(rows, L)) classes (see
+active.py: fixed by the shapes, so a step between index upkeep is static and sync-free). With
 G = 1 that is the plain ANN sampler; with more groups every row's retrieval budget grows
 from K/N to K*G/N classes while the FLOPs stay N*K*d (the cost: G gathers of K rows).
 
@@ -15,9 +16,10 @@ index is built at the first forward, after a load whose weights it does not desc
 and every ``rebuild_interval`` steps (early in training at doubling gaps from
 ``rebuild_warmup`` steps: see base.rebuild_due); in between, the rows that the optimizer changed
 are re-encoded every ``encode_interval`` steps, right before they are queried: with lazy
-updates the positives and retrieved classes of the last step (``encode_rows: retrieved``,
-the rows with large updates) or its whole active set (``active``); with dense updates
-every row whose code may have changed (AnnIndex.refresh: a safe radius per row). Every read
+updates the positives and retrieved classes of the last steps (``encode_rows: retrieved``,
+the rows with large updates: the first C winners of each step's ranking, C a static bound
+that covers them, active.core_size) or their whole active sets (``active``); with dense
+updates every row (on a CPU only those whose code may have changed: AnnIndex.refresh). Every read
 of the weights goes through ``read_rows`` first, which catches stale rows up under
 ``update: lazy_exact`` (the default of sampled heads).
 """
@@ -30,9 +32,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ds_xc.sampling.active import assemble, remap_targets
+from ds_xc.sampling.active import Stats, active_size, assemble, core_size
 from ds_xc.sampling.ann.index import AnnIndex, exact_cosine_rerank
-from ds_xc.sampling.base import ActiveSet, Sampler, budget, local_targets, rebuild_due, restore_generator
+from ds_xc.sampling.base import ActiveSet, Sampler, budget, local_targets, rebuild_due
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +87,10 @@ class AnnSampler(Sampler):
         self.index_seed = int(seed) * 7919 + 101 * (rank + 1)
         self.steps = 0  # training forwards seen
         self.built_at: Optional[int] = None
-        self.dirty: Optional[torch.Tensor] = None  # rows to re-encode; None = none pending
+        self.dirty: list = []  # (R,) local ids of rows to re-encode (may repeat), one tensor per step since the last
         self.dense_updates = False  # set by the head: with dense updates every row changes each step
         self.metric = "cosine"  # set by the head: "dot" for plain softmax (logits x.w)
         self.num_classes = num_local  # set by the head: classes of the whole head (the budgets' shares)
-        self.last_stats: dict = {}
         self.build_seconds: list = []  # wall time of each rebuild (catch-up of stale rows included)
         self.last_retrieved: Optional[torch.Tensor] = None  # (N, r) local ids of the last step
         self._executor = self._pending = self._pending_index = None  # background rebuild
@@ -108,7 +109,7 @@ class AnnSampler(Sampler):
             self.index = self._new_index(weight.shape[1])
         self.read_rows(None)
         self.index.build(weight)
-        self.built_at, self.dirty = self.steps, None
+        self.built_at, self.dirty = self.steps, []
         self.build_seconds.append(time.perf_counter() - start)
         log.info("ANN index of classes [%d, %d) rebuilt at step %d (%d lists) in %.2f s", self.class_start,
                  self.class_start + self.num_local, self.steps, self.index.centroids.shape[0],
@@ -122,6 +123,9 @@ class AnnSampler(Sampler):
     def staleness(self) -> int:
         """Steps since the last k-means rebuild (-1 before the first)."""
         return -1 if self.built_at is None else self.steps - self.built_at
+
+    def _extra_stats(self) -> dict:
+        return {"staleness": self.staleness}
 
     def _upkeep(self, weight: torch.Tensor) -> None:
         c = self.config
@@ -139,10 +143,12 @@ class AnnSampler(Sampler):
             if self.dense_updates:
                 self.read_rows(None)
                 self.index.refresh(weight)
-            elif self.dirty is not None:
-                self.read_rows(self.dirty)
-                self.index.refresh(weight, self.dirty)
-            self.dirty = None
+            elif self.dirty:
+                rows = self.dirty[0] if len(self.dirty) == 1 else torch.cat(self.dirty)  # (R,), may repeat
+                if c.encode_interval > 1:  # rows of older steps may have been skipped since: catch them up
+                    self.read_rows(rows)   # (the last step's rows were active there: current already)
+                self.index.refresh(weight, rows)
+            self.dirty = []
 
     def _start_background(self, weight: torch.Tensor) -> None:
         """Build a new index from a snapshot of the weights in a worker thread."""
@@ -165,16 +171,16 @@ class AnnSampler(Sampler):
             return
         self._pending.result()  # re-raises a failure of the worker
         self.index, self.built_at = self._pending_index, self._snapshot_step
-        changed = self._changed_since + ([self.dirty] if self.dirty is not None else [])
+        changed = self._changed_since + self.dirty
         if self.dense_updates:
             self.read_rows(None)
             self.index.refresh(weight)
         elif changed:
-            changed = torch.unique(torch.cat(changed))
+            changed = torch.unique(torch.cat(changed))  # at an adoption only: its host sync is allowed
             self.read_rows(changed)
             self.index.refresh(weight, changed)
         self._pending = self._pending_index = None
-        self.dirty = None
+        self.dirty = []
         log.info("ANN index of classes [%d, %d): background rebuild adopted at step %d", self.class_start,
                  self.class_start + self.num_local, self.steps)
 
@@ -187,9 +193,9 @@ class AnnSampler(Sampler):
         """Local ids (N, top_k) of each unit query's best classes (-1 where fewer exist)."""
         scan, rerank, k = self.budgets()
         if rerank:
-            cand = self.index.search(queries, self.config.nprobe, rerank, scan)
-            if self.before_read is not None:  # lazy_exact: the re-ranked rows, current
-                self.read_rows(torch.unique(cand[cand >= 0]))
+            cand = self.index.search(queries, self.config.nprobe, rerank, scan)  # (N, rerank)
+            if self.before_read is not None:  # lazy_exact: the re-ranked rows, current (repeats are harmless)
+                self.read_rows(cand.clamp_min(0).reshape(-1))
             return exact_cosine_rerank(queries, weight, cand, k, metric=self.metric)
         return self.index.search(queries, self.config.nprobe, k, scan)
 
@@ -205,30 +211,26 @@ class AnnSampler(Sampler):
         retrieved = self.retrieve(queries, weight)  # (N, r)
         self.last_retrieved = retrieved
         bounds = group_bounds(labels.numel(), self.config.groups)
-        targets = torch.full_like(local, -1)
-        indices, stats, core = [], [], []
+        c = self.config
+        parts, changed = [], []
         for a, b in zip(bounds[:-1], bounds[1:]):
-            positives = torch.unique(local[a:b][mine[a:b]])
-            index, st, kept = assemble(positives, retrieved[a:b], k, self.num_local, self.generator,
-                                       self.config.retrieved_share)
-            targets[a:b] = remap_targets(index, local[a:b], mine[a:b])
-            indices.append(index)
-            stats.append(st)
-            core += [positives, kept]
-        self.last_stats = {key: sum(s[key] for s in stats) for key in stats[0]}
-        self.last_stats["staleness"] = self.staleness
+            size = active_size(k, b - a, self.num_local)
+            core = core_size(size, b - a, self.num_local, c.retrieved_share) if c.encode_rows == "retrieved" else 0
+            part = assemble(local[a:b], mine[a:b], self.num_local, size, self.fill,
+                            retrieved[a:b].t().reshape(-1), c.retrieved_share, core=core)  # rank-major candidates
+            parts.append(part)
+            changed.append(part.core if core else part.index)  # (C,) or (K,): the rows this step moves most
+        self._stats = Stats.total([p.stats for p in parts])
         if training:
             self.steps += 1
-            if self.config.encode_rows == "active":
-                changed = indices[0] if len(indices) == 1 else torch.unique(torch.cat(indices))
-            else:
-                changed = torch.unique(torch.cat(core))
-            self.dirty = changed if self.dirty is None else torch.unique(torch.cat([self.dirty, changed]))
+            if c.encode_interval:
+                self.dirty.extend(changed)
             if self._pending is not None:
-                self._changed_since.append(changed)
-        if len(indices) == 1:
-            return ActiveSet(index=indices[0], targets=targets)
-        return ActiveSet(index=indices, targets=targets, bounds=bounds)
+                self._changed_since.extend(changed)
+        if len(parts) == 1:
+            return ActiveSet(index=parts[0].index, targets=parts[0].targets)
+        return ActiveSet(index=[p.index for p in parts], targets=torch.cat([p.targets for p in parts]),
+                         bounds=bounds)
 
     # ------------------------------------------------------------------ state
     def _move_state(self, device: torch.device, from_meta: bool) -> None:
@@ -238,25 +240,24 @@ class AnnSampler(Sampler):
             self._pending = self._pending_index = None
             self._changed_since = []
         if from_meta:  # meta tensors hold no values: forget the index, rebuild at the next forward
-            self.index, self.built_at, self.dirty, self.last_retrieved = None, None, None, None
+            self.index, self.built_at, self.dirty, self.last_retrieved = None, None, [], None
             return
-        if self.dirty is not None:
-            self.dirty = self.dirty.to(device)
+        self.dirty = [t.to(device) for t in self.dirty]
         if self.last_retrieved is not None:
             self.last_retrieved = self.last_retrieved.to(device)
         if self.index is not None:
             self.index.to(device)
 
     def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state(), "steps": self.steps, "built_at": self.built_at,
-                "dirty": self.dirty, "index": None if self.index is None else self.index.state_dict()}
+        dirty = torch.unique(torch.cat(self.dirty)) if self.dirty else None  # (R,) distinct rows to re-encode
+        return dict(super().state_dict(), steps=self.steps, built_at=self.built_at, dirty=dirty,
+                    index=None if self.index is None else self.index.state_dict())
 
     def load_state_dict(self, state: dict) -> None:
         self._pending = self._pending_index = None  # a background build of other weights is dropped
-        restore_generator(self.generator, state["generator"])
-        self.steps, self.built_at, self.dirty = int(state["steps"]), state["built_at"], state["dirty"]
-        if self.dirty is not None:
-            self.dirty = self.dirty.to(self.device)
+        super().load_state_dict(state)
+        self.steps, self.built_at = int(state["steps"]), state["built_at"]
+        self.dirty = [] if state["dirty"] is None else [state["dirty"].to(self.device)]
         if state.get("index") is None:
             self.index, self.built_at = None, None
             return
