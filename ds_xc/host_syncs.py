@@ -51,8 +51,10 @@ _FREE = {"detach", "empty", "empty_like", "empty_strided", "new_empty", "new_emp
          "scalar_tensor",  # a Python number wrapped as a CPU scalar: kernel arguments, not a launch
          "_record_function_enter_new", "_record_function_exit"}  # profiler markers
 _HOST_DATA = {"lift_fresh"}
-# CPU kernels that stand in for PyTorch code only on the CPU (a GPU runs the PyTorch code they replace)
-_NATIVE_ENVS = ("DS_XC_NATIVE_ROWS", "DS_XC_NATIVE_SOFTMAX", "DS_XC_NATIVE_SCORE", "DS_XC_NATIVE_SELECT")
+# CPU-only paths that stand in for the code a GPU runs: C++ kernels replacing PyTorch code, and the ANN
+# index's safe-radius tracking (data-dependent sizes that pay on a CPU only)
+_NATIVE_ENVS = ("DS_XC_NATIVE_ROWS", "DS_XC_NATIVE_SOFTMAX", "DS_XC_NATIVE_SCORE", "DS_XC_NATIVE_SELECT",
+                "DS_XC_ANN_TRACKING")
 
 
 def _is_bool_index(args) -> bool:
@@ -155,8 +157,9 @@ class StepCounter(TorchDispatchMode):
 
 @contextlib.contextmanager
 def native_off():
-    """Turn off the CPU-only C++ kernels that replace PyTorch code (rows, softmax exponentials,
-    scores, selection) while counting: a GPU runs the PyTorch code, so that is the code to count."""
+    """Turn off the CPU-only paths while counting (the C++ kernels that replace PyTorch code: rows,
+    softmax exponentials, scores, selection; the ANN refresh's tracking): a GPU runs the code they
+    replace, so that is the code to count."""
     saved = {k: os.environ.get(k) for k in _NATIVE_ENVS}
     os.environ.update({k: "0" for k in _NATIVE_ENVS})
     try:

@@ -44,7 +44,7 @@ def _nbytes(*tensors) -> int:
 def _measure(rank: int, world: int, name: str) -> dict:
     """Train STEPS steps of a real head on this rank, then the bytes each component holds."""
     from ds_xc.head import ClassParallelHead, build_head_optimizer
-    from ds_xc.head.lazy_exact import HIST, LAST
+    from ds_xc.head.lazy_exact import LAST, SUFFIX
     raw = _ds_config(name)
     head = ClassParallelHead.from_config(raw["extreme_classification"])
     opt = build_head_optimizer(head, raw["extreme_classification"]["optimizer"])
@@ -57,15 +57,16 @@ def _measure(rank: int, world: int, name: str) -> dict:
         opt.zero_grad(set_to_none=True)
     state = opt.state[head.weight]
     out = {"head_weight": _nbytes(head.weight),
-           "head_optimizer": _nbytes(*(v for k, v in state.items() if k not in (LAST, HIST))),
-           "lazy_exact": _nbytes(state.get(LAST), state.get(HIST)), "num_local": head.num_local,
+           "head_optimizer": _nbytes(*(v for k, v in state.items() if k not in (LAST, SUFFIX, "_spare"))),
+           "lazy_exact": _nbytes(state.get(LAST), state.get(SUFFIX), state.get("_spare")),
+           "num_local": head.num_local,
            "head_workspace": head.workspace.kept_bytes()}
     index = getattr(head.sampler, "index", None)
     if index is not None:
         out["ann_index"] = _nbytes(index.projection, index.centroids, index.list_offsets, index.list_ids,
                                    index.list_codes, index.position, index.encoded_from, index.radius)
         out["last_retrieved"] = _nbytes(head.sampler.last_retrieved)
-        out["dirty"] = _nbytes(head.sampler.dirty)
+        out["dirty"] = _nbytes(*head.sampler.dirty)
     if getattr(head.sampler, "graph", None) is not None:
         out["knn_graph"] = _nbytes(head.sampler.graph)
     return out

@@ -60,7 +60,7 @@ SGD_CASES = [dict(momentum=0.9, weight_decay=0.01), dict(momentum=0.9, weight_de
 
 @pytest.mark.parametrize("kw", SGD_CASES)
 def test_sgd_equals_torch_dense(kw, monkeypatch):
-    monkeypatch.setattr(lazy_exact, "_BLOCK_BYTES", 4 * 4 * D * 8)  # several catch-up blocks of 4 rows
+    monkeypatch.setattr(lazy_exact, "BLOCK_BYTES", 4 * 4 * D * 8)  # several catch-up blocks of 4 rows
     monkeypatch.setattr(lazy_exact, "WINDOW", 7)  # every row caught up every 7 steps in the middle of the run
     sched = _schedule()
     ref_p, p = torch.nn.Parameter(_w0()), torch.nn.Parameter(_w0())

@@ -64,14 +64,15 @@ def test_the_default_job_is_a_sampled_head_over_word_pairs_and_the_old_one_is_ke
 
 
 # ---------------------------------------------------------------- smoke runs (slow)
-def _expected_active(sampler: dict, num_classes: int, world: int) -> int:
-    """Active classes per step summed over the shards: ceil(rate * L_r) per rank (the batch's
-    positives fit in every budget here), every class for the exact head."""
+def _expected_active(sampler: dict, num_classes: int, world: int, batch: int = 32) -> int:
+    """Active classes per step summed over the shards: max(ceil(rate * L_r), min(N, L_r)) per rank for
+    a global batch of N = world * batch rows (sampling/active.py: room for every positive), every class
+    for the exact head."""
     if sampler.get("type", "full") == "full":
         return num_classes
     rate = Fraction(str(sampler.get("sample_rate", 0.1)))
     sizes = [num_classes // world + (r < num_classes % world) for r in range(world)]
-    return sum(math.ceil(rate * size) for size in sizes)
+    return sum(min(size, max(math.ceil(rate * size), world * batch)) for size in sizes)
 
 
 def _args(name: str, summary, num_classes: int) -> list:

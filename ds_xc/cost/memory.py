@@ -18,12 +18,13 @@ head_optimizer         sgd, momentum > 0: L d e (bf16: master_fp32 L d 8, plain 
                        stochastic_rounding L d 2); sgd without momentum: 0;
                        adamw: 2 L d e + 4 (the step counter; bf16: stochastic_rounding
                        L d (2 + 4), master_fp32 L d 12, plain L d 4)
-lazy_exact             8 L (int64 "last updated at" per row) + 8 w H (float64 history of
-                       H = 64 * 2^ceil(log2(steps / 64)) rows of w scalars, w = 4 sgd, 6 adamw)
+lazy_exact             8 L (int64 "last current at" per row) + 2 x 32 (W + 1) (float64 suffix
+                       products of the last W = 1,024 steps, and the buffer they are updated into)
 ann_index              4 d' b (projection) + 4 c d' (centroids) + 8 (c + 1) (list offsets)
                        + 8 L (list ids) + L b / 8 (codes) + 8 L (row -> slot); dense updates
                        also track 4 L d' + 4 L (encoded unit rows and safe radii)
-sampler_buffers        ann: 8 N top_k (last retrieval) + 8 K (rows to re-encode, at most)
+sampler_buffers        ann: 8 N top_k (last retrieval) + 8 C G (the last step's rows to re-encode:
+                       C = active.core_size with encode_rows retrieved, K with active)
 knn_graph              8 L min(neighbors, L - 1)
 backbone               ZeRO 0, fp32: 4 p params + 4 p grads + optimizer state (Adam/AdamW
                        and Lamb 8 p, SGD with momentum and LARS 4 p); bf16: 2 p params +
@@ -54,10 +55,10 @@ Transient bytes, per phase (what exists on top of the persistent bytes at the ph
   N b / 8, candidates 8 N R and the re-rank buffer 4 * 32 R d' (R rows re-ranked per query);
 * index rebuild: 8 L (list of each row) + 2 L b / 8 (codes, then in list order) + 4 * 64 c d'
   (the k-means sample) (+ the tracking arrays for dense updates);
-* catch-up of every row (lazy_exact, before a rebuild, an evaluation or a save): 25 L
-  (stale-row ids, their last steps, skipped counts and a mask) + 4 blocks of min(32768, L) x d x e
-  (6 for adamw: the gathered rows, states and the combination's temporaries) + 48 per row of
-  a block (the 2x2 coefficients in float64 and in the weight's dtype);
+* catch-up of every row (lazy_exact, before a rebuild, an evaluation or a save, and every 1,024
+  steps): 8 L (the row ids) + 4 blocks of B = min(L, 2^28 / (4 d e)) rows x d x e (6 for adamw: the
+  gathered rows, states and the combination's temporaries) + 56 per row of a block (its skipped
+  count, the 2x2 coefficients in float64 and in the weight's dtype);
 * evaluation (head.topk): 4 N d (gathered) + 4 n L (scores of one chunk over the shard) +
   12 N k (candidates) + 4 L d for margin losses (a normalised copy of the shard).
 
@@ -75,6 +76,8 @@ from typing import Optional
 from ds_xc import config as cfg
 from ds_xc.head.partition import shard_range
 from ds_xc.head.workspace import KEEP_BYTES
+from ds_xc.head.lazy_exact import BLOCK_BYTES as _CATCH_UP_BYTES, WINDOW
+from ds_xc.sampling.active import active_size, core_size
 from ds_xc.sampling.ann.sampler import retrieval_budgets
 from ds_xc.sampling.base import budget
 
@@ -82,7 +85,6 @@ __all__ = ["MemoryEstimate", "estimate_memory", "process_memory"]
 
 _ELEMENT = {"float32": 4, "float64": 8, "bfloat16": 2}
 _OPT_BLOCK = 1 << 15  # rows per block of the head optimizers' steps and catch-ups (ds_xc/head/optim.py)
-_HIST_ROWS = 64  # initial rows of the lazy_exact scalar history; it doubles when full (lazy_exact.py)
 _KMEANS_POINTS = 64  # k-means sample per centroid (ds_xc/sampling/ann/ivf.py)
 _RERANK_CHUNK = 32  # queries per re-rank buffer (ann/index.exact_cosine_rerank)
 _STATE_PER_PARAM = {"adam": 8, "adamw": 8, "lamb": 8, "sgd": 4, "lars": 4, "adagrad": 4}
@@ -135,6 +137,8 @@ def _shape(head: cfg.HeadConfig, world_size: int, rank: int, global_batch: int) 
     groups = getattr(sampler, "groups", 1) if K < L else 1
     G = max(1, min(groups, global_batch)) if global_batch else 1
     rows = -(-global_batch // G) if global_batch else 0  # the largest group
+    if K < L:
+        K = active_size(K, rows, L)  # room for every positive of a group (sampling/active.py)
     n = min(head.chunk_size, rows) if head.chunk_size else rows
     return _Shape(L=L, d=head.embedding_dim, e=e, s=8 if head.dtype == "float64" else 4, N=global_batch, G=G,
                   K=K, n=n)
@@ -156,14 +160,6 @@ def _head_optimizer(head: cfg.HeadConfig, sh: _Shape) -> int:
     return rows * per + 4
 
 
-def _history_rows(steps: int) -> int:
-    """Capacity of the lazy_exact history after ``steps`` steps without a trim (doubling from 64)."""
-    rows = _HIST_ROWS
-    while rows < steps:
-        rows *= 2
-    return rows
-
-
 def _ann_dims(head: cfg.HeadConfig, sh: _Shape) -> tuple:
     """(d', c): the indexed vectors' dim and the number of lists."""
     dim = sh.d + (1 if head.loss.type == "softmax" else 0)
@@ -181,7 +177,9 @@ def _sampler_persistent(head: cfg.HeadConfig, sh: _Shape, update: str) -> dict:
             index += 4 * sh.L * dim + 4 * sh.L  # refresh tracking (AnnIndex.encoded_from, radius)
         out["ann_index"] = index
         top_k = retrieval_budgets(s, sh.L, head.num_classes)[2]
-        out["sampler_buffers"] = 8 * sh.N * top_k + 8 * min(sh.K, sh.N * (top_k + 1))
+        rows = -(-sh.N // sh.G) if sh.N else 0
+        dirty = core_size(sh.K, rows, sh.L, s.retrieved_share) if s.encode_rows == "retrieved" else sh.K
+        out["sampler_buffers"] = 8 * sh.N * top_k + (8 * dirty * sh.G if s.encode_interval else 0)
     elif s.type == "knn" and sh.K < sh.L:
         out["knn_graph"] = 8 * sh.L * min(s.neighbors, sh.L - 1)
     return out
@@ -270,8 +268,9 @@ def _upkeep_phases(head: cfg.HeadConfig, sh: _Shape, update: str, eval_k: int) -
             build["build_tracking"] = 4 * sh.L * dim + 4 * sh.L
         phases["index_rebuild"] = build
     if update == "lazy_exact":  # SGD: w, buf, buf * q and the new w; AdamW: w, m, v, sqrt(v), m / sqrt(v), ratio
-        block, per = min(_OPT_BLOCK, sh.L), 6 if head.optimizer.type == "adamw" else 4
-        phases["catch_up"] = {"stale_rows": 25 * sh.L, "catch_up_blocks": per * block * sh.d * sh.e + 48 * block}
+        block = min(sh.L, max(1, _CATCH_UP_BYTES // (4 * sh.d * sh.e)))
+        per = 6 if head.optimizer.type == "adamw" else 4
+        phases["catch_up"] = {"row_ids": 8 * sh.L, "catch_up_blocks": per * block * sh.d * sh.e + 56 * block}
     k = min(eval_k, head.num_classes)
     phases["evaluation"] = {"gathered_embeddings": 4 * sh.N * sh.d, "scores": 4 * sh.n * sh.L,
                             "candidates": 12 * sh.N * k,
@@ -323,8 +322,7 @@ def estimate_memory(ds_config: dict, *, world_size: int, rank: int = 0, num_clas
     persistent = {"baseline": int(baseline_bytes), "head_weight": sh.L * sh.d * sh.e,
                   "head_optimizer": _head_optimizer(head, sh)}
     if update == "lazy_exact":
-        width = 4 if head.optimizer.type == "sgd" else 6
-        persistent["lazy_exact"] = 8 * sh.L + 8 * width * _history_rows(steps)
+        persistent["lazy_exact"] = 8 * sh.L + 2 * 32 * (WINDOW + 1)
     persistent.update(_sampler_persistent(head, sh, update))
     persistent["head_workspace"] = sum(_workspace(head, sh).values())
     persistent.update(_backbone(raw, backbone_params, world_size))

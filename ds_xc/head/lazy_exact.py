@@ -50,13 +50,13 @@ from ds_xc import config as cfg
 LAST, SUFFIX, STEPS, BASE = "lazy_last", "lazy_suffix", "lazy_steps", "lazy_base"
 HIST = "lazy_hist"  # the scalar history of checkpoints of earlier revisions (converted when loaded)
 WINDOW = 1024  # steps a row may fall behind before the periodic catch-up of every row
-_BLOCK_BYTES = 256 << 20  # temporaries of one block of a catch-up (about four row copies of the block)
+BLOCK_BYTES = 256 << 20  # temporaries of one block of a catch-up (about four row copies of the block)
 
 
 def _block_rows(p: torch.Tensor) -> int:
-    """Rows per block of a catch-up: its temporaries stay under _BLOCK_BYTES (131,072 rows at d = 128
+    """Rows per block of a catch-up: its temporaries stay under BLOCK_BYTES (131,072 rows at d = 128
     float32: the re-ranked rows of a 512-row batch in one block)."""
-    return max(1, _BLOCK_BYTES // (4 * p.shape[1] * p.element_size()))
+    return max(1, BLOCK_BYTES // (4 * p.shape[1] * p.element_size()))
 
 
 def suffix_products(mats: torch.Tensor) -> torch.Tensor:
