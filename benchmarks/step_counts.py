@@ -84,7 +84,7 @@ def ds_xc_step(sampler: str, sizes: dict = SIZES, update: str = "auto", loss: st
 
 def pfc_step(sizes: dict = SIZES, margin: float = 0.5, scale: float = 64.0):
     """A Partial-FC-equivalent step (module docstring), sync-free as it runs on a GPU."""
-    n, d, c = sizes["batch"], sizes["dim"], sizes["num_classes"]
+    d, c = sizes["dim"], sizes["num_classes"]
     k = max(1, min(c, math.ceil(sizes["sample_rate"] * c)))
     weight = torch.nn.Parameter(torch.randn(c, d, generator=torch.Generator().manual_seed(0)) * 0.01)
     opt = torch.optim.SGD([weight], lr=SGD["lr"], momentum=SGD["momentum"], weight_decay=SGD["weight_decay"])

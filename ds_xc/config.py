@@ -322,6 +322,11 @@ class HeadConfig(_Section):
         "parallelism: no gather or reduce-scatter, the loss is the mean over the given rows and every rank gets "
         "the full gradient with respect to them (the partial gradients all-reduced over the group). Every sampler "
         "works with either; the overlap pipeline needs data.")
+    cuda_graphs: bool = Field(False, description="Capture the head's training step (forward, backward, head optimizer "
+                              "step) as a CUDA graph and replay it (ds_xc/head/graphs.py, docs/head.md): one rank, "
+                              "check_interval > 1, float32 or float64 weights, softmax_backend torch, nonfinite raise, "
+                              "no gradient accumulation, no overlap; steps with host work (checks, index rebuilds) "
+                              "run eagerly. What cannot be captured is refused at initialize, naming this key.")
     optimizer: HeadOptimizerConfig = Field(default_factory=HeadOptimizerConfig, description="Head optimizer.")
     overlap: OverlapConfig = Field(default_factory=OverlapConfig, description="Overlap pipeline.")
     topology: TopologyConfig = Field(default_factory=TopologyConfig, description="Node layout, dense reduction.")

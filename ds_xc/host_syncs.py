@@ -38,8 +38,22 @@ from typing import Callable, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["StepCounter", "StepCounts", "count_steps", "native_off"]
+__all__ = ["StepCounter", "StepCounts", "count_steps", "native_off", "host_side", "is_host_side"]
+
+_HOST_SIDE = WeakIdKeyDictionary()  # tensors marked by host_side (by identity, not by value)
+
+
+def host_side(t: torch.Tensor) -> torch.Tensor:
+    """Mark ``t`` as a tensor that lives on the host in every run (a CPU step counter beside CUDA
+    weights, as torch's optimizers keep it): reading it is no host sync, and its ops are host work."""
+    _HOST_SIDE[t] = True
+    return t
+
+
+def is_host_side(t: torch.Tensor) -> bool:
+    return t in _HOST_SIDE
 
 _ITEM = {"_local_scalar_dense"}
 _DYNAMIC = {"nonzero", "_unique", "_unique2", "unique_dim", "unique_consecutive", "unique_dim_consecutive",
@@ -112,6 +126,8 @@ class StepCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
+        if args and isinstance(args[0], torch.Tensor) and is_host_side(args[0]):
+            return func(*args, **kwargs)  # host work by design (host_side): neither a sync nor a launch
         if name in _ITEM:
             self._sync("item", name)
         elif name in _DYNAMIC:

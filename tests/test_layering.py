@@ -23,7 +23,7 @@ IMPORT_NAME = {"ds_xc": "ds_xc", "ops": "ds_xc_ops"}  # the ops/ folder installs
 # floor of each package or module (the longest matching prefix wins); see docs/design.md
 FLOORS = {
     "ds_xc_ops": 0,
-    "ds_xc.parallel": 1, "ds_xc.peers": 1,
+    "ds_xc.parallel": 1, "ds_xc.peers": 1, "ds_xc.host_syncs": 1, "ds_xc.replay_check": 1,
     "ds_xc.head": 2, "ds_xc.sampling": 2,
     "ds_xc.checkpoint": 3, "ds_xc.cost": 3, "ds_xc.evaluate": 3, "ds_xc.manifest": 3,
     "ds_xc.compression": 4, "ds_xc.optim": 4,

@@ -1,4 +1,5 @@
-"""Sizes of the house (issue 15): no module of ds_xc/ over 450 lines, no function over 80.
+"""Sizes of the house: one concept per file with a hard cap of 800 lines (the developers' guide; it was
+450 under issue 15), no function over 80.
 
 Parsed with ast, nothing is imported. A module that grows past the limit is split by
 concept (docs/design.md, "floors of the house"), not trimmed of its docstrings.
@@ -9,7 +10,7 @@ import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MAX_FILE_LINES, MAX_FUNCTION_LINES = 450, 80
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 800, 80
 
 
 def _modules():

@@ -67,6 +67,7 @@ class XCEngine:
     base_lr: Optional[float] = None
     compression: Any = None  # the CompressedOptimizer reducing the backbone, when configured
     schedule: Any = None  # ds_xc.overlap.ChunkedHeadSchedule, when extreme_classification.overlap.enabled
+    head_graph: Any = None  # ds_xc.head.graphs.HeadStepGraph, when extreme_classification.cuda_graphs
     grad_reducer: Any = None  # a BucketedGradReducer: overlap_grad_reduce, or the hierarchical reduction
     flag_group: Any = None  # a gloo copy of the engine's data-parallel group: the per-step non-finite verdict
     # (off the bucket traffic), checkpoint agreement; None in one process
@@ -130,6 +131,8 @@ class XCEngine:
         buckets during the backward. Otherwise ``loss = xc(inputs, labels); xc.backward(loss)``.
         Follow it with :meth:`step` as usual.
         """
+        if self.head_graph is not None:
+            return self._graphed_micro_step(inputs, labels)
         if self.schedule is None:
             loss = self(inputs, labels, batch_sizes)
             self.backward(loss)
@@ -139,6 +142,21 @@ class XCEngine:
             loss = overlapped_micro_step(self, inputs, labels, batch_sizes)
         self._feed_loss(loss)
         self._loss_is_finite(loss)  # the chunks' backward may have run already: step() skips the update
+        return loss
+
+    def _graphed_micro_step(self, inputs, labels) -> torch.Tensor:
+        """``extreme_classification.cuda_graphs``: the head's step (forward, backward and its optimizer step,
+        ds_xc/head/graphs.py) replayed as a CUDA graph on the backbone's detached output, then the
+        backbone's backward from the gradient it returns (one micro-step per optimizer step: refused with
+        gradient accumulation at initialize)."""
+        self._follow_engine_lr()
+        with self.in_phase("forward"):
+            x = self.engine(inputs)
+            loss, grad = self.head_graph.step(x.detach(), labels)
+        self._feed_loss(loss)
+        if self._loss_is_finite(loss):  # nonfinite 'raise' (checked at initialize): raises otherwise
+            with self.in_phase("backward"):
+                self.engine.backward((x * grad.to(x.dtype)).sum())  # d/dx of this is the head's gradient
         return loss
 
     def overlap_stats(self) -> dict:
@@ -164,14 +182,11 @@ class XCEngine:
         if boundary and self._step_is_bad():
             self._skip_step()
             return
-        if boundary:
-            head_cfg = self.config.extreme_classification.optimizer
-            if head_cfg.lr_schedule == "follow_engine" and self.base_lr:
-                ratio = self.engine.get_lr()[0] / self.base_lr
-                for group in self.head_optimizer.param_groups:
-                    group["lr"] = head_cfg.lr * ratio
+        if boundary and self.head_graph is None:  # a captured head step ran its optimizer step already
+            self._follow_engine_lr()
             self.head_optimizer.step()
             self.head_optimizer.zero_grad(set_to_none=True)
+        if boundary:
             if self.grad_reducer is not None:
                 with self.in_phase("gradient reduction"):
                     self.grad_reducer.finish()
@@ -179,6 +194,14 @@ class XCEngine:
         if self.schedule is not None:
             from ds_xc.overlap.run import end_micro_step
             end_micro_step(self)
+
+    def _follow_engine_lr(self) -> None:
+        """``lr_schedule: follow_engine``: the head's lr is its configured lr times the engine's lr ratio."""
+        head_cfg = self.config.extreme_classification.optimizer
+        if head_cfg.lr_schedule == "follow_engine" and self.base_lr:
+            ratio = self.engine.get_lr()[0] / self.base_lr
+            for group in self.head_optimizer.param_groups:
+                group["lr"] = head_cfg.lr * ratio
 
     # ------------------------------------------------------------------ non-finite steps
     def _grads_finite(self) -> bool:

@@ -208,12 +208,30 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
     peers = gather_peers(dp_group)
     log.info("ds_xc: engine ready (ZeRO stage %d, bf16=%s), head shard %s", engine.zero_optimization_stage(),
              engine.bfloat16_enabled(), head.extra_repr())
+    head_graph = _head_graph(head, head_optimizer, engine, head_cfg) if head_cfg.cuda_graphs else None
     xc = XCEngine(engine=engine, head=head, head_optimizer=head_optimizer, config=xc_config,
                   lr_scheduler=scheduler, base_lr=base_lr, compression=compression, schedule=schedule,
-                  grad_reducer=reducer, flag_group=flag_group, peers=peers)
+                  grad_reducer=reducer, flag_group=flag_group, peers=peers, head_graph=head_graph)
     _mark_phase(xc, engine, "allreduce_gradients", "gradient reduction")  # DeepSpeed's, inside engine.backward
     _mark_phase(xc, head.sampler, "rebuild", "index rebuild")  # ANN index / kNN graph, inside the forward
     return xc
+
+
+def _head_graph(head, head_optimizer, engine, head_cfg):
+    """``extreme_classification.cuda_graphs``: the head's step as a CUDA graph (ds_xc/head/graphs.py), or
+    the reason it cannot be, naming the key (the head's own limits are checked by HeadStepGraph)."""
+    from ds_xc.head.graphs import KEY, HeadStepGraph
+    gas = engine.gradient_accumulation_steps()
+    if gas != 1:
+        raise cfg.ConfigError(f"{KEY}: gradient_accumulation_steps is {gas}; a captured head step includes its "
+                              "optimizer step, so it needs 1")
+    if head_cfg.nonfinite != "raise":
+        raise cfg.ConfigError(f"{KEY}: nonfinite is {head_cfg.nonfinite!r}; a captured step has updated the head "
+                              "before its loss is read, so it cannot be skipped: set nonfinite 'raise'")
+    if head_cfg.overlap.enabled:
+        raise cfg.ConfigError(f"{KEY}: overlap.enabled; the overlap pipeline runs the head in chunks, not as one "
+                              "captured step: disable one of them")
+    return HeadStepGraph(head, head_optimizer, rows=engine.train_micro_batch_size_per_gpu())
 
 
 def engine_group(engine):

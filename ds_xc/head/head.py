@@ -220,7 +220,8 @@ class ClassParallelHead(nn.Module):
         if is_distributed(self.group):  # every rank learns of bad input: nobody hangs in a collective
             dist.all_reduce(table, op=dist.ReduceOp.SUM, group=self.group)
         rows_of = table.tolist()  # the one host sync of the check
-        self._unchecked_bad = None
+        if self._unchecked_bad is not None:
+            self._unchecked_bad.zero_()  # counted: a fresh count (in place: a captured step adds to this tensor)
         return self._replicated_sizes(decide(self, rows_of, error, batch_sizes, full))
 
     def _replicated_sizes(self, verdict: Optional[Verdict]) -> Optional[Verdict]:
@@ -240,8 +241,24 @@ class ClassParallelHead(nn.Module):
         if verdict.labels_checked or y.numel() == 0:
             return loss
         bad = ((y < 0) | (y >= self.num_classes)).sum()  # () on the device
-        self._unchecked_bad = bad if self._unchecked_bad is None else self._unchecked_bad + bad
+        if self._unchecked_bad is None or self._unchecked_bad.device != bad.device:
+            self._unchecked_bad = torch.zeros((), dtype=torch.int64, device=bad.device)
+        self._unchecked_bad.add_(bad)  # in place: the count of a captured step's replays adds up too
         return loss + torch.where(bad > 0, float("nan"), 0.0).to(loss.dtype)
+
+    # ------------------------------------------------------------------ captured steps (ds_xc/head/graphs.py)
+    def host_work_due(self) -> bool:
+        """Whether the next training forward does host work a replayed CUDA graph cannot: a full input
+        check (one host sync), the sampler's index or graph upkeep, a quality-metrics pass."""
+        check = self.check_inputs and self._calls % self.check_interval == 0
+        every = getattr(self.sampler_config, "metrics_interval", 0)
+        metrics = bool(every) and getattr(self.sampler, "steps", 0) % every == 0
+        return check or metrics or self.sampler.host_work_due()
+
+    def after_replay(self) -> None:
+        """The host side of a replayed training forward: the counters an eager forward advances."""
+        self._calls += 1
+        self.sampler.after_replay()
 
     # ------------------------------------------------------------------ forward
     def gather(self, embeddings: torch.Tensor, labels: torch.Tensor,

@@ -40,6 +40,11 @@ R rows costs O(R*d), R may repeat rows.
 
 Rows not caught up hold stale values: the head catches the active rows up before each forward
 and every row up before topk / index rebuilds / checkpoint saves.
+
+Captured steps (``graphed``, ds_xc/head/graphs.py): a CUDA graph replays kernels with the arguments
+they were captured with, so the step count the kernels read is a device tensor (``lazy_steps_t``),
+the step's matrix is formed on the device from the optimizer's device scalars, and the products are
+updated in place (fixed addresses); the host counters are advanced by :meth:`after_replay`.
 """
 from __future__ import annotations
 
@@ -48,6 +53,7 @@ import torch
 from ds_xc import config as cfg
 
 LAST, SUFFIX, STEPS, BASE = "lazy_last", "lazy_suffix", "lazy_steps", "lazy_base"
+STEPS_T = "_lazy_steps_t"  # captured steps: STEPS as a device tensor (not saved: rebuilt from STEPS)
 HIST = "lazy_hist"  # the scalar history of checkpoints of earlier revisions (converted when loaded)
 WINDOW = 1024  # steps a row may fall behind before the periodic catch-up of every row
 BLOCK_BYTES = 256 << 20  # temporaries of one block of a catch-up (about four row copies of the block)
@@ -101,6 +107,7 @@ class ExactLazyMixin:
     where it cannot run)."""
 
     _exact_kind = "sgd"
+    graphed = False  # set by HeadStepGraph: the step's kernels read device counters (module docstring)
 
     def _exact_begin(self, p: torch.Tensor, rows, entries: tuple) -> None:
         """Before this step's update of ``p``: catch the rows about to be updated (``rows`` (R,), or
@@ -119,13 +126,39 @@ class ExactLazyMixin:
             self._exact_catch_up(p, state, None)
         if rows is None or not self._caught_up_now(state):
             self._exact_catch_up(p, state, rows)
-        _push(state, entries)
+        _push(state, entries, in_place=self.graphed)
+        if self.graphed:
+            self._steps_arg(state).add_(1)
         state[STEPS] += 1
+        steps = self._steps_arg(state)
         if rows is None:
-            state[LAST].fill_(state[STEPS])
+            state[LAST].fill_(steps)
             state[BASE] = state[STEPS]
         else:
-            state[LAST].index_fill_(0, rows, state[STEPS])
+            state[LAST].index_fill_(0, rows, steps)
+
+    def _steps_arg(self, state: dict):
+        """STEPS as the kernels take it: the Python int, or (captured steps) the device counter."""
+        if not self.graphed:
+            return state[STEPS]
+        t = state.get(STEPS_T)
+        if t is None or t.device != state[LAST].device:
+            t = state[STEPS_T] = torch.full((), state[STEPS], dtype=torch.int64, device=state[LAST].device)
+        return t
+
+    def exact_after_replay(self) -> None:
+        """The host side of a replayed step (HeadStepGraph): the counters an eager step advances."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p, {})
+                if LAST in state and group.get("exact"):
+                    if "_active_at" in state:  # the forward caught its active rows up at this step
+                        state["_active_at"] = state[STEPS]
+                    state[STEPS] += 1
+
+    def exact_host_work_due(self) -> bool:
+        """Whether the next step catches every row up (WINDOW reached): host work a replay cannot do."""
+        return any(state[STEPS] - state[BASE] >= WINDOW for state in self.state.values() if LAST in state)
 
     # Set by build_head_optimizer when the gradient rows of a step are always rows the head caught up
     # with ``active=True`` since the last step (its forward's active sets; not with a 2-D layout, whose
@@ -140,18 +173,18 @@ class ExactLazyMixin:
     def _exact_catch_up(self, p: torch.Tensor, state: dict, rows) -> None:
         """Bring rows (R,) (None: all; repeats allowed) of p and its state to step STEPS, as
         zero-gradient steps would: a gather of their suffix products by age, no host sync."""
-        steps = state[STEPS]
         _follow(state, p)
-        if steps == state[BASE]:  # every row is current
+        if state[STEPS] == state[BASE] and not self.graphed:  # every row is current
             return
+        steps = self._steps_arg(state)
         if rows is None:
             rows = torch.arange(p.shape[0], device=p.device)
-            state[BASE] = steps
+            state[BASE] = state[STEPS]
         if rows.numel() == 0:
             return
         last, coef = state[LAST], state[SUFFIX]
         group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
-        if self._exact_native(p, state, group, rows, coef):  # the fused C++ kernel marked the rows current
+        if not self.graphed and self._exact_native(p, state, group, rows, coef):  # fused C++ kernel (CPU)
             return
         block = _block_rows(p)
         for b in range(0, rows.numel(), block):
@@ -224,7 +257,7 @@ class ExactLazyMixin:
                 state = self.state.get(p, {})
                 if LAST in state:
                     self._exact_catch_up(p, state, None)
-                    for key in (LAST, SUFFIX, STEPS, BASE, "_active_at", "_spare"):
+                    for key in (LAST, SUFFIX, STEPS, BASE, "_active_at", "_spare", STEPS_T):
                         state.pop(key, None)
 
 
@@ -235,17 +268,24 @@ def _identity_suffix(device) -> torch.Tensor:
 
 def _follow(state: dict, p: torch.Tensor) -> None:
     """The counters and products follow the weight's device (``head.to``)."""
-    for key in (LAST, SUFFIX):
-        if state[key].device != p.device:
+    for key in (LAST, SUFFIX, STEPS_T):
+        if key in state and state[key].device != p.device:
             state[key] = state[key].to(p.device)
     state.pop("_spare", None) if "_spare" in state and state["_spare"].device != p.device else None
 
 
-def _push(state: dict, entries: tuple) -> None:
+def _push(state: dict, entries: tuple, in_place: bool = False) -> None:
     """suffix[k] <- M suffix[k - 1] for k >= 1 (entry 0 stays the identity), M = [[a, b], [c, d]] the
-    step's matrix as Python floats: four device ops into a second buffer (swapped in), no host data."""
-    a, b, c, d = (float(v) for v in entries)
+    step's matrix: Python floats (four device ops into a second buffer, swapped in; no host data) or,
+    ``in_place`` (captured steps), 0-dim device tensors, the products updated where they are."""
     old = state[SUFFIX]
+    if in_place:
+        a, b, c, d = entries
+        prev = old[:-1].clone()  # (W, 2, 2)
+        torch.mul(prev[:, 0], a, out=old[1:, 0]).add_(prev[:, 1] * b)
+        torch.mul(prev[:, 0], c, out=old[1:, 1]).add_(prev[:, 1] * d)
+        return
+    a, b, c, d = (float(v) for v in entries)
     new = state.pop("_spare", None)
     if new is None or new.shape != old.shape:
         new = _identity_suffix(old.device)

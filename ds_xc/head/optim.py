@@ -46,6 +46,7 @@ from torch.optim import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ds_xc import config as cfg
+from ds_xc.host_syncs import host_side
 from ds_xc_ops import rows as native_rows
 from ds_xc.head.bf16 import BF16_UPDATES, round_to_bf16
 from ds_xc.head.lazy_exact import HIST, LAST, STEPS, SUFFIX, ExactLazyMixin, adamw_entries, sgd_entries
@@ -86,10 +87,19 @@ def _host_step(counts, p: torch.Tensor, state: dict) -> int:
     read from that tensor once after a load, so a step never reads a tensor."""
     t = counts.get(p)
     if t is None:
-        t = int(state["step"].item())
+        t = int(host_side(state["step"]).item())  # once after a load: a CPU tensor, no device sync
     counts[p] = t + 1
     state["step"].fill_(t + 1)
     return t + 1
+
+
+def _device_step(state: dict, device, t: int) -> torch.Tensor:
+    """AdamW's step count as a float64 device counter (graphed steps): made from the host count ``t``
+    once, then advanced by one on the device each step, replays included."""
+    dev = state.get("_step_t")
+    if dev is None or dev.device != torch.device(device):
+        dev = state["_step_t"] = torch.full((), float(t - 1), dtype=torch.float64, device=device)
+    return dev.add_(1.0)
 
 
 def _blocks(n: int):
@@ -117,6 +127,30 @@ class _HeadOptimizer(ExactLazyMixin, Optimizer):
         self.bf16_update, self.seed = bf16_update, int(seed)
         self._gen = None
         self._step_counts = WeakIdKeyDictionary()  # parameter -> its step count on the host (AdamW)
+
+    # ------------------------------------------------------------------ captured steps (ds_xc/head/graphs.py)
+    def _lr(self, index: int, group: dict, device):
+        """The group's learning rate as a step's kernels take it: the Python float, or (``graphed``) a
+        0-dim device tensor that :meth:`prepare_graphed_step` fills before each step or replay."""
+        if not self.graphed:
+            return group["lr"]
+        dev = self.__dict__.setdefault("_lr_dev", {})
+        t = dev.get(index)
+        if t is None or t.device != torch.device(device):
+            t = dev[index] = torch.full((), float(group["lr"]), dtype=torch.float64, device=device)
+        return t
+
+    def prepare_graphed_step(self) -> None:
+        """Before a captured step or its replay: the current learning rates into their device tensors (a
+        fill launch each, no host data copied up)."""
+        for index, group in enumerate(self.param_groups):
+            t = self.__dict__.get("_lr_dev", {}).get(index)
+            if t is not None:
+                t.fill_(float(group["lr"]))
+
+    def after_replay(self) -> None:
+        """The host side of a replayed step: what an eager step advances on the host."""
+        self.exact_after_replay()
 
     def _generator(self, device) -> torch.Generator:
         if self._gen is None:
@@ -230,11 +264,12 @@ class HeadSGD(_HeadOptimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            lr, mu, wd, nest = group["lr"], group["momentum"], group["weight_decay"], group["nesterov"]
+        for index, group in enumerate(self.param_groups):
+            mu, wd, nest = group["momentum"], group["weight_decay"], group["nesterov"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
+                lr = self._lr(index, group, p.device)  # a float, or a device tensor (graphed)
                 rows, g = _rows(p, group["lazy"])
                 buf = None
                 if mu:
@@ -251,9 +286,9 @@ class HeadSGD(_HeadOptimizer):
                 if rows is None:
                     for s in _blocks(p.shape[0]):
                         d = self._update(p[s], g[s], None if buf is None else buf[s], lr, mu, wd, nest)
-                        p[s].add_(d, alpha=-lr)
+                        p[s].add_(d, alpha=-lr) if not torch.is_tensor(lr) else p[s].sub_(d.mul_(lr))
                     continue
-                if buf is not None and native_rows.sgd_step(p, buf, rows, g, lr, mu, wd, nest):
+                if not self.graphed and buf is not None and native_rows.sgd_step(p, buf, rows, g, lr, mu, wd, nest):
                     continue  # one fused pass per row (CPU)
                 for s in _blocks(rows.numel()):  # gathered row copies: block-sized temporaries
                     r = rows[s]
@@ -261,7 +296,10 @@ class HeadSGD(_HeadOptimizer):
                     d = self._update(p.index_select(0, r), g[s], b, lr, mu, wd, nest)
                     if b is not None:
                         buf.index_copy_(0, r, b)
-                    p.index_add_(0, r, d.to(p.dtype), alpha=-lr)
+                    if torch.is_tensor(lr):
+                        p.index_add_(0, r, d.to(p.dtype).mul_(-lr))
+                    else:
+                        p.index_add_(0, r, d.to(p.dtype), alpha=-lr)
         return loss
 
     def _step_bf16(self, p, rows, g, buf, lr, mu, wd, nest):
@@ -325,25 +363,31 @@ class HeadAdamW(_HeadOptimizer):
             p.mul_(1.0 - lr * wd)
         m.lerp_(g.to(m.dtype), 1.0 - b1)  # m may keep another dtype than p (head.to(dtype))
         v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+        if torch.is_tensor(lr):  # graphed: lr and the bias corrections are device tensors
+            p.sub_(m / (v.sqrt() / bc2.sqrt()).add_(eps) * (lr / bc1))
+            return
         denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
         p.addcdiv_(m, denom, value=-lr / bc1)
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        for index, group in enumerate(self.param_groups):
+            (b1, b2), eps, wd = group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
+                lr = self._lr(index, group, p.device)  # a float, or a device tensor (graphed)
                 rows, g = _rows(p, group["lazy"])
                 state = self.state[p]
                 if "step" not in state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["step"] = host_side(torch.zeros((), dtype=torch.float32))  # on the CPU, as torch keeps it
                     state["exp_avg"] = torch.zeros_like(p, dtype=self._state_dtype(p, "exp_avg"))
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=self._state_dtype(p, "exp_avg_sq"))
                 _follow_device(state, p)
                 t = _host_step(self._step_counts, p, state)
+                if self.graphed:  # the step count the kernels read: a device counter
+                    t = _device_step(state, p.device, t)
                 hyper = (lr, b1, b2, eps, wd, 1.0 - b1 ** t, 1.0 - b2 ** t)
                 if group.get("exact"):
                     self._exact_begin(p, rows, adamw_entries(lr, wd, b1, b2, hyper[5], hyper[6]))
@@ -355,7 +399,7 @@ class HeadAdamW(_HeadOptimizer):
                     for s in _blocks(p.shape[0]):
                         self._update(p[s], g[s], m[s], v[s], *hyper)
                     continue
-                if native_rows.adamw_step(p, m, v, rows, g, *hyper):
+                if not self.graphed and native_rows.adamw_step(p, m, v, rows, g, *hyper):
                     continue  # one fused pass per row (CPU)
                 for s in _blocks(rows.numel()):  # gathered row copies: block-sized temporaries
                     r = rows[s]
@@ -365,6 +409,14 @@ class HeadAdamW(_HeadOptimizer):
                     v.index_copy_(0, r, vr)
                     p.index_copy_(0, r, pr)
         return loss
+
+    def after_replay(self) -> None:
+        """The host side of a replayed step: the step counts (host mirror and the CPU ``step``) too."""
+        super().after_replay()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if "step" in self.state.get(p, {}):
+                    _host_step(self._step_counts, p, self.state[p])
 
     def _step_bf16(self, p, rows, g, m, v, hyper):
         """bf16 weight: the float32 update of each block, rounded back per ``bf16_update``."""

@@ -112,6 +112,17 @@ class Sampler:
     def _extra_stats(self) -> dict:
         return {}
 
+    # ------------------------------------------------------------------ captured steps (ds_xc/head/graphs.py)
+    graphed = False  # set by HeadStepGraph: the step may be captured and replayed
+
+    def host_work_due(self) -> bool:
+        """Whether the next training step does host work a replayed graph cannot (an index or graph
+        build, a background rebuild to adopt, a metrics pass): the runner then runs it eagerly."""
+        return False
+
+    def after_replay(self) -> None:
+        """The host side of a replayed training step: the counters an eager step advances."""
+
     def sample(self, labels: torch.Tensor, embeddings: Optional[torch.Tensor],
                weight: torch.Tensor) -> ActiveSet:
         raise NotImplementedError

@@ -19,6 +19,10 @@ state is three integers. It is
   resumed on the other kind continues with the other kind's draws from there on.
 
 ``stream`` separates the ranks (and the replicas of a 2-D layout): ranks draw independently.
+
+Captured steps (``graphed``, ds_xc/head/graphs.py): a CUDA graph replays the ``torch.rand`` it
+captured with whatever seed its generator holds at replay time, so the step's runner seeds the
+generator for the step (:meth:`prepare`) before the step or its replay, and :meth:`scores` only draws.
 """
 from __future__ import annotations
 
@@ -57,6 +61,7 @@ class FillStream:
         self.seed, self.stream, self.draws = int(seed), int(stream), 0
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._gen: Optional[torch.Generator] = None
+        self.graphed = False  # set by HeadStepGraph: prepare() seeds each draw, scores() only draws
 
     def to(self, device) -> "FillStream":
         """Draw on ``device`` from now on (the counters stay)."""
@@ -72,14 +77,25 @@ class FillStream:
             self._gen = torch.Generator(device=self.device)
         return self._gen
 
-    def scores(self, out: torch.Tensor) -> torch.Tensor:
-        """``out`` (L,) float32 on the stream's device <- draw number ``draws`` of uniform [0, 1)
-        scores; advances the counter. Host work only (a seed), no host sync."""
+    def generator(self) -> Optional[torch.Generator]:
+        """The device generator the draws come from (None on the meta device)."""
+        return self._generator()
+
+    def prepare(self, draw: Optional[int] = None) -> None:
+        """Seed the generator for draw number ``draw`` (default: the next, and count it): host work."""
+        if draw is None:
+            draw, self.draws = self.draws, self.draws + 1
         gen = self._generator()
         if gen is not None:
-            gen.manual_seed(mix_seed(self.seed, self.stream, self.draws))
-        self.draws += 1
-        return torch.rand(out.shape, generator=gen, out=out)
+            gen.manual_seed(mix_seed(self.seed, self.stream, draw))
+
+    def scores(self, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (L,) float32 on the stream's device <- draw number ``draws`` of uniform [0, 1)
+        scores; advances the counter. Host work only (a seed), no host sync. (``graphed``: the
+        runner has seeded the draw with :meth:`prepare`; this only draws.)"""
+        if not self.graphed:
+            self.prepare()
+        return torch.rand(out.shape, generator=self._generator(), out=out)
 
     def derive(self, salt: int) -> None:
         """A new stream from this one and ``salt`` (a replica that has no saved stream of its own)."""

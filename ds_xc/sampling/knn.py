@@ -97,6 +97,14 @@ class KnnSampler(Sampler):
     def _extra_stats(self) -> dict:
         return {"staleness": self.staleness}
 
+    def host_work_due(self) -> bool:
+        c = self.config
+        return self.graph is None or self.built_at is None or rebuild_due(self.steps, self.built_at,
+                                                                           c.rebuild_interval, c.rebuild_warmup)
+
+    def after_replay(self) -> None:
+        self.steps += 1
+
     def candidates(self, local: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
         """(N k,) the positives' neighbours in priority order: rank-major, within a rank by class id
         (rows sorted by their class; rows of other shards give -1)."""

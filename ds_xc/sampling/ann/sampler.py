@@ -95,6 +95,7 @@ class AnnSampler(Sampler):
         self.last_retrieved: Optional[torch.Tensor] = None  # (N, r) local ids of the last step
         self._executor = self._pending = self._pending_index = None  # background rebuild
         self._snapshot_step, self._changed_since = 0, []
+        self._core = None  # captured steps: the last step's rows to re-encode, kept at one address
 
     # ------------------------------------------------------------------ upkeep
     def _new_index(self, dim: int) -> AnnIndex:
@@ -126,6 +127,16 @@ class AnnSampler(Sampler):
 
     def _extra_stats(self) -> dict:
         return {"staleness": self.staleness}
+
+    def host_work_due(self) -> bool:
+        c = self.config
+        every = c.metrics_interval
+        return (self.index is None or not self.index.built or self.built_at is None
+                or rebuild_due(self.steps, self.built_at, c.rebuild_interval, c.rebuild_warmup)
+                or (self._pending is not None and self._pending.done()) or bool(every and self.steps % every == 0))
+
+    def after_replay(self) -> None:
+        self.steps += 1
 
     def _upkeep(self, weight: torch.Tensor) -> None:
         c = self.config
@@ -223,6 +234,10 @@ class AnnSampler(Sampler):
         self._stats = Stats.total([p.stats for p in parts])
         if training:
             self.steps += 1
+            if self.graphed:  # captured steps: the rows to re-encode at a fixed address (one group, interval 1)
+                if self._core is None or self._core.shape != changed[0].shape:
+                    self._core = torch.empty_like(changed[0])
+                changed = [self._core.copy_(changed[0])]
             if c.encode_interval:
                 self.dirty.extend(changed)
             if self._pending is not None:
