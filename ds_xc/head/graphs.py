@@ -15,7 +15,8 @@ check of tests/test_graphs.py hold it there):
   ``prepare_graphed_step`` before each step or replay), the lazy_exact step count and AdamW's, the
   lazy_exact products updated in place, the rows to re-encode and the unchecked-label count kept at one
   address; the uniform fill's generator is seeded for the step before it (fill.py) and registered with
-  the graph;
+  the graph, as is the bf16 updates' stochastic-rounding generator (its stream advances per replay as
+  per eager step);
 * the host side of a step (counters that decide checks, rebuilds and the periodic catch-up) advanced by
   ``after_replay`` of the head, its sampler and its optimizer.
 
@@ -30,8 +31,7 @@ eagerly, step by step (which is what tests compare against the plain eager head)
 
 What it cannot capture, it refuses with an error naming ``extreme_classification.cuda_graphs``: more than
 one rank in the head's group (collectives of a gloo group cannot be captured; NCCL capture is not done
-here), a 2-D layout or a node gather, bfloat16 weights (the stochastic rounding of their updates), the
-Triton softmax backend, every step checked (``check_interval`` 1 with ``check_inputs``), and for the ANN
+here), a 2-D layout or a node gather, the Triton softmax backend, every step checked (``check_interval`` 1 with ``check_inputs``), and for the ANN
 sampler sample groups, ``encode_interval`` other than 1, background rebuilds and the scan backends with
 data-dependent sizes (torch, faiss).
 """
@@ -57,8 +57,6 @@ def refusal(head, optimizer) -> Optional[str]:
     if head.world_size > 1 or head.replicas.active or head.node_gather is not None:
         return (f"the head's group has {head.world_size} rank(s) (replicas: {head.replicas.size}); a graph is captured "
                 "on one rank (gloo collectives cannot be captured)")
-    if head.weight.dtype == torch.bfloat16:
-        return "bfloat16 weights are not captured (the stochastic rounding of their updates); use dtype float32"
     if head.softmax_backend != "torch":
         return f"softmax_backend {head.softmax_backend!r} is not captured; use softmax_backend 'torch'"
     if head.check_inputs and head.check_interval == 1:
@@ -160,6 +158,9 @@ class HeadStepGraph:
                                   "a CUDA graph (CUDAGraph.register_generator_state); use a newer torch or "
                                   "cuda_graphs false")
         register(gen)
+        rounding = opt.rounding_generator()
+        if rounding is not None:  # bf16 stochastic rounding: made at the warm-up steps
+            register(rounding)
         self.x.grad = None
         head.weight.grad = None
         torch.cuda.synchronize()

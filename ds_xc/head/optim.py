@@ -152,6 +152,10 @@ class _HeadOptimizer(ExactLazyMixin, Optimizer):
         """The host side of a replayed step: what an eager step advances on the host."""
         self.exact_after_replay()
 
+    def rounding_generator(self):
+        """The generator of the bf16 stochastic rounding (None before a bf16 step made it)."""
+        return self._gen
+
     def _generator(self, device) -> torch.Generator:
         if self._gen is None:
             self._gen = torch.Generator(device=device).manual_seed(self.seed)
@@ -312,7 +316,7 @@ class HeadSGD(_HeadOptimizer):
             w = _get(w_src, sel)  # (B, d) float32
             b = None if buf is None else _get(buf, sel)
             d = self._update(w, g[s].float(), b, lr, mu, wd, nest)
-            w.add_(d, alpha=-lr)
+            w.add_(d, alpha=-lr) if not torch.is_tensor(lr) else w.sub_(d.mul_(lr))
             if b is not None:
                 self._put(buf, sel, b)
             if w_src is not p:
@@ -423,7 +427,8 @@ class HeadAdamW(_HeadOptimizer):
         self._generator(p.device)
         w_src = self._bf16_weight(p, self.state[p])
         n = p.shape[0] if rows is None else rows.numel()
-        if rows is not None and w_src is not p and native_rows.adamw_step(w_src, m, v, rows, g.float(), *hyper):
+        if rows is not None and w_src is not p and not self.graphed and \
+                native_rows.adamw_step(w_src, m, v, rows, g.float(), *hyper):
             for s in _blocks(n):  # master_fp32: the fused kernel, as a float32 head's lazy step runs it
                 self._put(p, rows[s], w_src.index_select(0, rows[s]))
             return
