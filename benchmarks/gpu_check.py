@@ -10,14 +10,17 @@ Steps, each printed as one line ``CHECK <name>: PASS | FAIL | SKIP (<why>)``:
 1. ``env``: torch, CUDA, device, triton, nvcc versions.
 2. ``build_cuda_hamming``: JIT-compiles the CUDA Hamming scan (ops/csrc/hamming_cuda.cu).
 3. ``build_triton``: compiles and runs the Triton kernels once (fused margin softmax, Hamming scan,
-   compression selection); under ``--dry-run`` they run on CPU tensors through ``TRITON_INTERPRET=1``.
+   compression selection) and compares each with its PyTorch reference (the softmax within the fp32
+   tolerance, the scan and the selection exactly); under ``--dry-run`` on CPU tensors through
+   ``TRITON_INTERPRET=1``.
 4. ``head_step``: one forward + backward of the class-parallel head for every loss, on the GPU, with
    the chunked PyTorch path and the fused Triton kernel, fp32 and bf16, against the CPU float64
-   reference (tests/reference.py); and the ANN head at sample rate 1.0 against the exact head.
+   reference (tests/reference.py); and the ANN head at sample rate 0.1, its index built and searched on
+   the GPU, against the float64 reference over the active set it chose, with the recall@10 of that set.
 5. ``timing``: side by side, one step (forward, backward, optimizer) of the exact head (fused Triton vs
-   chunked PyTorch), uniform@0.1, ANN@0.1 and the Partial-FC-equivalent head at 10^6 and 10^7 classes,
-   d = 128 and 512, global batch 1024, bf16 weights (and fp32 at 10^6, d = 128); median step, ANN
-   index build, peak GPU memory.
+   chunked PyTorch), uniform@0.1 and ANN@0.1 eager and as captured CUDA graphs (ds_xc/head/graphs.py),
+   and the Partial-FC-equivalent head at 10^6 and 10^7 classes, d = 128 and 512, global batch 1024,
+   bf16 weights (and fp32 at 10^6, d = 128); median step, ANN index build, peak GPU memory.
 6. ``train_job``: the README's main job (``deepspeed launch/train.py`` on configs/default.json) on the
    GPU through the DeepSpeed launcher, and the same job on the machine's CPU beside it (the same data:
    the text task reads the interpreter's stdlib); the held-out top-1 of the two within 0.01.
@@ -26,6 +29,9 @@ Steps, each printed as one line ``CHECK <name>: PASS | FAIL | SKIP (<why>)``:
    with DeepSpeed's FusedAdam) through pytest.
 8. ``profile``: torch.profiler over three steps of each timed variant at 10^6 classes, d = 128,
    bf16: wall vs device-busy time, kernel launches and host syncs per step, the top ops.
+9. ``targets``: FAIL unless, at 10^6 classes, d = 128, bf16, batch 1024, the device is busy at least
+   80% of an eager uniform / ann step and 90% of a captured one, and uniform@0.1 takes at most 0.35x and
+   ann@0.1 at most 0.5x of the Partial-FC-equivalent step measured in the same run (issue 55).
 
 The results go to one Markdown file (``--out``, default benchmarks/results/gpu_check.md; with
 ``--dry-run`` benchmarks/results/gpu_check_dry_run.md), rewritten after every check so that a run cut
@@ -44,8 +50,8 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: gpu_speed, harness
-from gpu_speed import (FULL_SIZES, ROOT, TOLERANCE, check_profile, check_timing, check_triton_tiles,  # noqa: E402
-                       profile_report, rel_error, tiles_report, timing_report)
+from gpu_speed import (FULL_SIZES, ROOT, TOLERANCE, check_profile, check_targets, check_timing,  # noqa: E402
+                       check_triton_tiles, profile_report, rel_error, tiles_report, timing_report)
 
 sys.path.insert(0, ROOT)
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -112,12 +118,14 @@ def check_build_cuda(ctx: dict):
 
 
 def _triton_kernels():
-    """The Triton entry points as (name, callable that runs it once on small inputs)."""
+    """The Triton entry points as (name, callable that runs it once on small inputs and returns its error
+    against the PyTorch reference: 0 where the backends must agree exactly)."""
     import torch
     from tests.reference import LOSSES as LOSS_CFG
     from ds_xc.head.margins import build_loss
+    from ds_xc.head.softmax import fused_loss_and_grads
     from ds_xc_ops.hamming import hamming_topk_ivf
-    from ds_xc_ops.triton_select import select_above
+    from ds_xc_ops.triton_select import select_above, select_above_torch
     from ds_xc.head.triton_softmax import triton_fused_loss_and_grads
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(0)
@@ -126,7 +134,9 @@ def _triton_kernels():
     t = torch.randint(-1, 70, (48,), generator=gen).to(dev)
 
     def softmax():
-        triton_fused_loss_and_grads(x, w, t, build_loss(LOSS_CFG["arcface"]))
+        loss = build_loss(LOSS_CFG["arcface"])
+        got, ref = triton_fused_loss_and_grads(x, w, t, loss), fused_loss_and_grads(x, w, t, loss)
+        return max(rel_error(a, b) for a, b in zip(got, ref))
 
     def hamming():
         q = torch.randint(0, 256, (8, 32), dtype=torch.uint8, generator=gen).to(dev)
@@ -134,27 +144,35 @@ def _triton_kernels():
         ids = torch.arange(100, device=dev)
         off = torch.tensor([0, 40, 100], device=dev)
         probes = torch.tensor([[0, 1]] * 8, device=dev)
-        hamming_topk_ivf(q, codes, ids, off, probes, 10, backend="triton")
+        got = hamming_topk_ivf(q, codes, ids, off, probes, 10, backend="triton")
+        ref = hamming_topk_ivf(q, codes, ids, off, probes, 10, backend="torch")
+        return float(not all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(got, ref)))
 
     def select():
         v = torch.randn(5000, generator=gen).to(dev)
-        select_above(v, 1.5, backend="triton")
+        got, ref = select_above(v, 1.5, backend="triton"), select_above_torch(v, 1.5)
+        return float(not all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(got, ref)))
 
-    return [("fused softmax", softmax), ("hamming scan", hamming), ("selection", select)]
+    return [("fused softmax", softmax, TOLERANCE["float32"]), ("hamming scan", hamming, 0.0),
+            ("selection", select, 0.0)]
 
 
 def check_build_triton(ctx: dict):
+    """Compile (or interpret) each Triton kernel once and compare its output with the PyTorch reference."""
     try:
         import triton  # noqa: F401
     except ImportError:
         return ("SKIP" if ctx["dry_run"] else "FAIL"), "triton is not installed"
-    done = []
-    for name, fn in _triton_kernels():
+    done, bad = [], []
+    for name, fn, tol in _triton_kernels():
         start = time.perf_counter()
-        fn()
-        done.append(f"{name} {time.perf_counter() - start:.1f} s")
+        err = fn()
+        done.append(f"{name} {time.perf_counter() - start:.1f} s (error {err:.1e}, allowed {tol:.0e})")
+        if not err <= tol:
+            bad.append(name)
     where = "interpreter, CPU tensors" if ctx["dry_run"] else "compiled for the GPU"
-    return "PASS", f"{where}: " + ", ".join(done)
+    detail = f"{where}: " + ", ".join(done)
+    return ("FAIL", f"{', '.join(bad)} differ from the PyTorch reference | {detail}") if bad else ("PASS", detail)
 
 
 def check_parity_tests(ctx: dict):
@@ -165,6 +183,7 @@ def check_parity_tests(ctx: dict):
     files = ["tests/test_ops_hamming.py", "tests/test_triton_hamming.py", "tests/test_triton_select.py",
              "tests/test_device.py", "tests/test_bf16_head.py",
              "tests/test_compression_momentum.py::test_fused_adam_takes_the_default_on_a_gpu",
+             "tests/test_graphs.py::test_captured_and_replayed_on_a_gpu_equals_eager",
              "tests/test_compression_score.py::test_fused_adam_is_ranked_by_its_state_on_a_gpu"]
     files = [f for f in files if os.path.exists(os.path.join(ROOT, f.split("::")[0]))]
     env = dict(os.environ)
@@ -211,26 +230,47 @@ def check_head_step(ctx: dict):
                 worst[key] = max(worst.get(key, 0.0), *errs)
                 if max(errs) > TOLERANCE[dtype]:
                     notes.append(f"{backend}/{dtype}/{loss}: rel. errors {', '.join(f'{e:.1e}' for e in errs)}")
-    ann = _ann_full_rate(dev)
-    summary = "; ".join(f"{b}/{d} worst {e:.1e}" for (b, d), e in worst.items()) + f"; ann@1.0 vs exact {ann:.1e}"
+    ann_err, recall = _ann_sampled_step(dev)
+    summary = "; ".join(f"{b}/{d} worst {e:.1e}" for (b, d), e in worst.items())
+    summary += f"; ann@0.1 vs float64 on its active set {ann_err:.1e}, recall@10 of the active set {recall:.3f}"
     if ctx["dry_run"]:
         summary += " (dry run: on the CPU, the Triton backend under the interpreter at 101 classes)"
     ctx["head_step"] = summary
-    if notes or ann > 1e-5:
+    if notes or not ann_err <= TOLERANCE["float32"] or not recall >= ANN_RECALL:
         return "FAIL", "; ".join(notes) + f" | {summary}"
     return "PASS", summary
 
 
-def _ann_full_rate(dev: str) -> float:
-    """Relative difference of the ANN head at sample rate 1.0 and the exact head (should be ~0)."""
+ANN_RECALL = 0.95  # recall@10 of the ANN head's active set at its defaults (issue 55)
+
+
+def _ann_sampled_step(dev: str) -> tuple[float, float]:
+    """The ANN head at sample rate 0.1 on the device, its index built and searched there: (largest
+    relative error of its loss and gradients against the float64 reference over the active set it chose,
+    recall@10 of that active set against the exact top-10 classes by cosine)."""
     import torch
     import ds_xc
+    from tests.reference import reference
     gen = torch.Generator().manual_seed(2)
-    x, y = torch.randn(128, 64, generator=gen).to(dev), torch.randint(0, 5000, (128,), generator=gen).to(dev)
+    classes, dim, rows = 20_000, 64, 128
     loss = {"type": "cosface", "scale": 30.0, "margin": 0.35}
-    exact = ds_xc.ClassParallelHead(64, 5000, loss=loss, device=dev)
-    ann = ds_xc.ClassParallelHead(64, 5000, loss=loss, sampler={"type": "ann", "sample_rate": 1.0}, device=dev)
-    return rel_error(ann(x, y), exact(x, y))
+    head = ds_xc.ClassParallelHead(dim, classes, loss=loss, sampler={"type": "ann", "sample_rate": 0.1},
+                                   init_std=0.05, device=dev)
+    x = torch.randn(rows, dim, generator=gen)
+    y = torch.randint(0, classes, (rows,), generator=gen)
+    xd = x.to(dev).requires_grad_()
+    out = head(xd, y.to(dev))
+    out.backward()
+    index, targets = head.last_active.index.cpu(), head.last_active.targets.cpu()
+    w = head.weight.detach().cpu().double()
+    ref_loss, ref_gx, ref_gw = reference(x, w[index], targets, loss)
+    gw = head.weight.grad.to_dense().cpu()[index] if head.weight.grad.is_sparse else head.weight.grad.cpu()[index]
+    err = max(rel_error(out, ref_loss), rel_error(xd.grad, ref_gx), rel_error(gw, ref_gw))
+    cos = torch.nn.functional.normalize(x.double(), dim=1) @ torch.nn.functional.normalize(w, dim=1).t()
+    top = torch.topk(cos, 10, dim=1).indices  # (rows, 10)
+    active = torch.zeros(classes, dtype=torch.bool)
+    active[index] = True
+    return err, float(active[top].float().mean())
 
 
 # ----------------------------------------------------------------------------- the main job
@@ -336,7 +376,8 @@ def report(ctx: dict, checks: Checks) -> str:
 
 CHECK_STEPS = (("env", check_env), ("build_cuda_hamming", check_build_cuda), ("build_triton", check_build_triton),
                ("head_step", check_head_step), ("timing", check_timing), ("parity_tests", check_parity_tests),
-               ("triton_tiles", check_triton_tiles), ("profile", check_profile), ("train_job", check_train_job))
+               ("triton_tiles", check_triton_tiles), ("profile", check_profile), ("targets", check_targets),
+               ("train_job", check_train_job))
 
 
 def main(argv=None) -> int:

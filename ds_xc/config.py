@@ -83,7 +83,8 @@ class UniformSampler(_Section):
     """Partial FC: this shard's positives in the global batch plus uniform random negatives."""
     type: Literal["uniform"]
     sample_rate: float = Field(0.1, gt=0.0, le=1.0,
-                               description="Active classes per shard = ceil(sample_rate * num_local).")
+                               description="Active classes per shard = max(ceil(sample_rate * num_local), "
+                               "min(rows of the global batch, num_local)): room for every positive.")
 
 
 def _retrieved_share_field(what: str):
@@ -103,10 +104,11 @@ def _rebuild_warmup_field():
 class AnnSampler(_Section):
     """ANN softmax: per sample, the classes of highest logit retrieved from a binary-code
     inverted file over the shard's weights; active set = positives, then retrieved classes
-    by rank, then uniform fill, cut to ceil(sample_rate * num_local)."""
+    by rank, then uniform fill, max(ceil(sample_rate * num_local), min(rows, num_local)) classes."""
     type: Literal["ann"]
     sample_rate: float = Field(0.1, gt=0.0, le=1.0,
-                               description="Active classes per shard and group = ceil(sample_rate * num_local).")
+                               description="Active classes per shard and group = max(ceil(sample_rate * "
+                               "num_local), min(rows of the group, num_local)): room for every positive.")
     code_bits: int = Field(512, ge=32, le=1024, multiple_of=32, description="Bits of each binary code.")
     rotation: Literal["random", "itq"] = Field(
         "random", description="random: random orthogonal rotation then sign (SimHash); itq: rotation "
@@ -176,7 +178,8 @@ class KnnSampler(_Section):
     positives, then their graph neighbours, then uniform fill."""
     type: Literal["knn"]
     sample_rate: float = Field(0.1, gt=0.0, le=1.0,
-                               description="Active classes per shard = ceil(sample_rate * num_local).")
+                               description="Active classes per shard = max(ceil(sample_rate * num_local), "
+                               "min(rows of the global batch, num_local)): room for every positive.")
     neighbors: int = Field(32, ge=1, le=1024, description="Neighbours per class in the graph (10 to 100 usual).")
     retrieved_share: float = _retrieved_share_field("graph neighbours")
     rebuild_interval: int = Field(1000, ge=0, description="Rebuild the graph every N steps (0 = only at "

@@ -10,7 +10,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECKS = ("env", "build_cuda_hamming", "build_triton", "parity_tests", "head_step", "timing", "train_job", "profile",
-          "triton_tiles")
+          "triton_tiles", "targets")
 
 
 @pytest.mark.slow
@@ -26,13 +26,18 @@ def test_gpu_check_dry_run(tmp_path):
              for m in re.finditer(r"^CHECK (\w+): (PASS|FAIL|SKIP) \((.*)\) \[", proc.stdout, re.M)}
     assert set(lines) == set(CHECKS), proc.stdout[-3000:]
     assert lines["build_cuda_hamming"][0] == "SKIP" and "no CUDA" in lines["build_cuda_hamming"][1]
-    assert lines["parity_tests"][0] == "SKIP"
+    assert lines["parity_tests"][0] == "SKIP" and lines["targets"][0] == "SKIP"
+    # every Triton kernel was compared with its PyTorch reference
+    assert len(re.findall(r"error ([0-9.e+-]+), allowed", lines["build_triton"][1])) == 3
     for name in ("env", "build_triton", "head_step", "timing", "train_job", "profile",
           "triton_tiles"):
         assert lines[name][0] == "PASS", (name, lines[name])
     # the head step was compared with the float64 reference: errors are printed and small
     errors = [float(e) for e in re.findall(r"worst ([0-9.e+-]+)", lines["head_step"][1])]
     assert len(errors) == 4 and max(errors) < 3e-2
+    ann = re.search(r"ann@0.1 vs float64 on its active set ([0-9.e+-]+), recall@10 of the active set ([0-9.]+)",
+                    lines["head_step"][1])
+    assert ann and float(ann.group(1)) < 2e-4 and float(ann.group(2)) >= 0.95, lines["head_step"]
     text = out.read_text()
     assert "| head_step | PASS |" in text and "| build_cuda_hamming | SKIP |" in text
     for dtype, update in (("bfloat16", "lazy"), ("float32", "lazy_exact")):  # the library defaults per dtype
