@@ -252,12 +252,18 @@ def _ann_sampled_step(dev: str) -> tuple[float, float]:
     import ds_xc
     from tests.reference import reference
     gen = torch.Generator().manual_seed(2)
-    classes, dim, rows = 20_000, 64, 128
+    classes, dim, rows, members = 20_000, 64, 64, 10  # 64 rows: ~15 retrieved classes of each fit the budget
     loss = {"type": "cosface", "scale": 30.0, "margin": 0.35}
     head = ds_xc.ClassParallelHead(dim, classes, loss=loss, sampler={"type": "ann", "sample_rate": 0.1},
                                    init_std=0.05, device=dev)
-    x = torch.randn(rows, dim, generator=gen)
+    # classes in tight groups of 10 around random centres, each query near its label's centre: its 10 nearest
+    # classes are its group (a well-posed top-10, as trained weights give; random weights have none)
+    centres = torch.nn.functional.normalize(torch.randn(classes // members, dim, generator=gen), dim=1)
+    spread = torch.randn(classes, dim, generator=gen) * (0.1 / dim ** 0.5)
+    with torch.no_grad():
+        head.weight.copy_((0.05 * (centres.repeat_interleave(members, 0) + spread)).to(dev))
     y = torch.randint(0, classes, (rows,), generator=gen)
+    x = centres[y // members] + torch.randn(rows, dim, generator=gen) * (0.1 / dim ** 0.5)
     xd = x.to(dev).requires_grad_()
     out = head(xd, y.to(dev))
     out.backward()
