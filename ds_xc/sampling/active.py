@@ -49,25 +49,21 @@ def core_size(size: int, rows: int, num_local: int, candidate_share: float) -> i
 
 
 class Stats:
-    """The counts of one assembly, kept as device tensors (no host sync when a step makes them);
-    :meth:`read` turns them into Python ints, for logging."""
+    """The counts of one assembly, kept as device tensors (no host sync when a step makes them) or
+    as a function that computes one when read; :meth:`read` turns them into Python ints, for logging."""
 
     def __init__(self, **counts):
-        self._counts = counts  # name -> int or 0-dim tensor
-
-    def tensors(self) -> dict:
-        return dict(self._counts)
+        self._counts = counts  # name -> int, 0-dim tensor or a function returning either
 
     def read(self) -> dict:
-        return {k: int(v) for k, v in self._counts.items()}
+        return {k: int(v() if callable(v) else v) for k, v in self._counts.items()}
 
     @staticmethod
     def total(parts: list) -> "Stats":
         """The sums over several assemblies (sample groups)."""
         if len(parts) == 1:
             return parts[0]
-        keys = parts[0]._counts.keys()
-        return Stats(**{k: sum(p._counts[k] for p in parts) for k in keys})
+        return Stats(**{k: (lambda k=k: sum(p.read()[k] for p in parts)) for k in parts[0]._counts})
 
 
 @dataclass
@@ -97,13 +93,16 @@ def assemble(local: torch.Tensor, mine: torch.Tensor, num_local: int, size: int,
     slots = _slots(local, mine, num_local)  # (N,)
     scores = fill.scores(torch.empty(num_local + 1, dtype=torch.float32, device=device))  # (L+1,)
     scores.index_fill_(0, slots, POSITIVE)
-    positives = (scores[:num_local] == POSITIVE).sum()  # () distinct positives
-    counts = {"active": size, "positives": positives}
-    if candidates is not None:
+    if candidates is not None:  # the cap on candidates needs the count of distinct positives now
+        positives = (scores[:num_local] == POSITIVE).sum()  # ()
+        counts = {"active": size, "positives": positives}
         counts.update(_keep_candidates(scores, candidates, num_local, size, positives, candidate_share))
-    else:
-        counts.update(retrieved=0, kept=0, cut=0)
-    counts["fill"] = size - positives - counts["kept"]
+        counts["fill"] = size - positives - counts["kept"]
+    else:  # counted when read (a log line), not in the step
+        def distinct():
+            return int(torch.unique(slots[slots < num_local]).numel())
+        counts = {"active": size, "positives": distinct, "retrieved": 0, "kept": 0, "cut": 0,
+                  "fill": lambda: size - distinct()}
     top = torch.topk(scores[:num_local], size, sorted=core > 0)  # (K,) winners, ranked when the core is asked
     index = top.indices.sort().values  # (K,)
     column = torch.full((num_local + 1,), -1, dtype=torch.int64, device=device)  # (L+1,) class -> column

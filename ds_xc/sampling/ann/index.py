@@ -46,6 +46,7 @@ __all__ = ["AnnIndex", "exact_cosine_rerank"]
 _ITQ_SAMPLE = 20000  # rows used to learn the ITQ rotation
 _BUILD_CHUNK = 1 << 15  # rows assigned and encoded at a time by build()
 _REFRESH_CHUNK = 1 << 13  # rows checked (and re-encoded) at a time by refresh()
+_STATIC_REFRESH_BYTES = 256 << 20  # float temporaries of one block of an untracked refresh (every row asked)
 _U = 2.0 ** -24  # float32 unit roundoff
 _RERANK_BYTES = 256 << 20  # largest (queries, candidates, d) block of gathered rows in a re-rank
 TRACKING_ENV = "DS_XC_ANN_TRACKING"  # "0": no safe-radius tracking (see AnnIndex.refresh)
@@ -216,8 +217,9 @@ class AnnIndex:
         if not tracking_allowed(weight.device):  # static: every row asked for, re-encoded
             self.encoded_from = self.radius = None
             total = weight.shape[0] if rows is None else rows.numel()
-            for a in range(0, total, _REFRESH_CHUNK):
-                sel = slice(a, min(a + _REFRESH_CHUNK, total)) if rows is None else rows[a: a + _REFRESH_CHUNK]
+            chunk = max(_REFRESH_CHUNK, _STATIC_REFRESH_BYTES // (4 * (self.code_bits + self.dim)))  # fewer launches
+            for a in range(0, total, chunk):
+                sel = slice(a, min(a + chunk, total)) if rows is None else rows[a: a + chunk]
                 ids = torch.arange(sel.start, sel.stop, device=weight.device) if rows is None else sel  # (R,)
                 self.list_codes[self.position[ids]] = self.encode(self.unit_rows(weight[sel], normalise=False))
             self.last_refresh = (total, total)
