@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+from unittest import mock
 import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -176,16 +177,8 @@ def native_off():
     """Turn off the CPU-only paths while counting (the C++ kernels that replace PyTorch code: rows,
     softmax exponentials, scores, selection; the ANN refresh's tracking): a GPU runs the code they
     replace, so that is the code to count."""
-    saved = {k: os.environ.get(k) for k in _NATIVE_ENVS}
-    os.environ.update({k: "0" for k in _NATIVE_ENVS})
-    try:
+    with mock.patch.dict(os.environ, {k: "0" for k in _NATIVE_ENVS}):  # the environment restored after
         yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def count_steps(step: Callable[[int], None], warmup: int = 3, steps: int = 5, where: bool = True,
