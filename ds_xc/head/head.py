@@ -251,8 +251,8 @@ class ClassParallelHead(nn.Module):
         """Whether the next training forward does host work a replayed CUDA graph cannot: a full input
         check (one host sync), the sampler's index or graph upkeep, a quality-metrics pass."""
         check = self.check_inputs and self._calls % self.check_interval == 0
-        every = getattr(self.sampler_config, "metrics_interval", 0)
-        metrics = bool(every) and getattr(self.sampler, "steps", 0) % every == 0
+        every = getattr(self.sampler_config, "metrics_interval", 0)  # measure_sampler: after the sampler counts
+        metrics = bool(every) and (getattr(self.sampler, "steps", 0) + 1) % every == 0
         return check or metrics or self.sampler.host_work_due()
 
     def after_replay(self) -> None:

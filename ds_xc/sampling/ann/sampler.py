@@ -130,10 +130,9 @@ class AnnSampler(Sampler):
 
     def host_work_due(self) -> bool:
         c = self.config
-        every = c.metrics_interval
         return (self.index is None or not self.index.built or self.built_at is None
                 or rebuild_due(self.steps, self.built_at, c.rebuild_interval, c.rebuild_warmup)
-                or (self._pending is not None and self._pending.done()) or bool(every and self.steps % every == 0))
+                or (self._pending is not None and self._pending.done()))
 
     def after_replay(self) -> None:
         self.steps += 1
