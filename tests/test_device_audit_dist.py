@@ -21,9 +21,8 @@ import torch
 from tests import audit_jobs as J
 from tests.train_procs import run_ranks
 
-pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="simulates GPUs on a CPU machine; "
-                                 "benchmarks/gpu_check_multi.py runs the strict audit on a real one"),
-              pytest.mark.xfail(strict=True, reason="issue 56: 30 findings on the code before its fixes")]
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="simulates GPUs on a CPU machine; "
+                                "benchmarks/gpu_check_multi.py runs the strict audit on a real one")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -8,8 +8,8 @@ only (a CPU tensor fails, "No backend type associated with device type cpu"). CI
 GPUs nor NCCL, so :class:`DeviceAudit` checks both rules on the CPU:
 
 * a recording wrapper around the ``torch.distributed`` collectives (module attributes, looked up
-  at call time by the library; ``ds_xc.parallel.collectives`` resolves its flat collectives at
-  call time too). A call is audited when the nearest caller outside torch is a file of ds_xc/,
+  at call time by the library, ``ds_xc.parallel.collectives``' flat ones included). A call is
+  audited when the nearest caller outside torch is a file of ds_xc/,
   ops/ (``ds_xc_ops``), launch/, examples/ or benchmarks/: DeepSpeed's and the tests' own
   collectives are counted apart and not judged;
 * **bound**: when the host has GPUs (or simulates them), ``torch.cuda.current_device()`` equals
@@ -19,7 +19,8 @@ GPUs nor NCCL, so :class:`DeviceAudit` checks both rules on the CPU:
   with NCCL that is ``cuda:<local rank>``; a gloo group takes CPU tensors or the rank's own GPU's
   (never another GPU's);
 * with ``simulate_gpus=N`` (CPU only): ``torch.cuda.device_count/current_device/set_device`` are
-  patched to a host of N GPUs whose current device starts at 0 (as in a fresh process), DeepSpeed's
+  patched to a host of N GPUs whose current device starts at 0 (as in a fresh process; ``cuda:i``
+  devices the code is given stand for the CPU, counted as the rank's device), DeepSpeed's
   CPU accelerator binds through the patched ``set_device`` (as its CUDA accelerator does in the
   engine's constructor), and every group is judged as the NCCL group it would be on that host,
   except groups created with ``backend="gloo"`` explicitly. The tensors stay on the CPU; a
@@ -54,6 +55,8 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
+from ds_xc.parallel.device import local_rank_from_env, reset_binding
+
 __all__ = ["DeviceAudit", "DeviceAuditError", "Finding", "COLLECTIVES", "local_rank_from_env"]
 
 COLLECTIVES = (
@@ -64,23 +67,11 @@ COLLECTIVES = (
 )
 _OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
                        "barrier", "monitored_barrier")
-_LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK",
-                    "SLURM_LOCALID")
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _OURS = tuple(os.path.join(_ROOT, d) + os.sep for d in ("ds_xc", "ops", "launch", "examples", "benchmarks"))
 _SKIP = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, os.path.abspath(__file__))
 _HOST = "_ds_xc_audit_host"  # the attribute marking a tensor that would live on the host
 _DEVICE_ATTR = torch.Tensor.device  # its getter reaches __torch_function__ as Tensor.device.__get__
-
-
-def local_rank_from_env() -> Optional[int]:
-    """This process's rank on its host from the launcher's environment (torchrun / DeepSpeed's
-    ``LOCAL_RANK``, OpenMPI, MPICH, MVAPICH, Slurm), or None when no launcher said."""
-    for name in _LOCAL_RANK_VARS:
-        value = os.environ.get(name)
-        if value not in (None, ""):
-            return int(value)
-    return None
 
 
 class DeviceAuditError(RuntimeError):
@@ -110,6 +101,9 @@ class _SimulatedGpus:
     def current_device(self) -> int:
         return self.current
 
+    def synchronize(self, device=None) -> None:
+        """Nothing queued: the simulated GPUs' work ran on the CPU already."""
+
     def set_device(self, device) -> None:
         index = device.index if isinstance(device, torch.device) else int(str(device).split(":")[-1])
         if index is None or not 0 <= index < self.count:
@@ -124,6 +118,15 @@ class _HostTags(TorchFunctionMode):
         super().__init__()
         self.devices: collections.deque = collections.deque(maxlen=keep)  # marked torch.device objects
         self.ids: set = set()
+
+    _rank_cpu = torch.device("cpu")  # stands for the simulated GPU: a device object the code was given
+
+    def _on_cpu_one(self, value):
+        """A simulated GPU (cuda:i) becomes the CPU, as a device object that counts as the rank's."""
+        if isinstance(value, torch.device) and value.type == "cuda" or isinstance(value, str) and \
+                value.split(":")[0] == "cuda":
+            return self._rank_cpu
+        return value
 
     def _host_device(self) -> torch.device:
         d = torch.device("cpu")
@@ -143,6 +146,16 @@ class _HostTags(TorchFunctionMode):
         if getattr(func, "__self__", None) is _DEVICE_ATTR:  # t.device
             dev = func(*args, **kwargs)
             return self._host_device() if dev.type == "cpu" and is_host(args[0]) else dev
+        if getattr(func, "__name__", "") == "__set__" and len(args) == 2 and isinstance(args[1], torch.Tensor):
+            out = func(*args, **kwargs)  # t.data = new: t now lives where new does
+            _mark(args[0], is_host(args[1]))
+            return out
+        if getattr(func, "__name__", "") == "cuda" and args and isinstance(args[0], torch.Tensor):
+            func, args, kwargs = torch.Tensor.to, (args[0], self._rank_cpu), {}  # t.cuda(): to the rank's device
+        if "device" in kwargs:
+            kwargs = dict(kwargs, device=self._on_cpu_one(kwargs["device"]))
+        if getattr(func, "__name__", "") == "to":
+            args = tuple(self._on_cpu_one(a) for a in args)
         out = func(*args, **kwargs)
         try:
             return self._tag(func, args, kwargs, out)
@@ -184,11 +197,15 @@ class _HostTags(TorchFunctionMode):
             out = out.view_as(out)  # .to(device) / .cpu() returned its input: on a GPU host it is a copy
             outs = [out]
         for t in outs:
-            if host:
-                setattr(t, _HOST, True)
-            elif getattr(t, _HOST, False):
-                delattr(t, _HOST)
+            _mark(t, host)
         return out
+
+
+def _mark(t: torch.Tensor, host: bool) -> None:
+    if host:
+        setattr(t, _HOST, True)
+    elif getattr(t, _HOST, False):
+        delattr(t, _HOST)
 
 
 def is_host(t: torch.Tensor) -> bool:
@@ -235,11 +252,6 @@ class DeviceAudit:
         setattr(owner, name, value)
 
     def __enter__(self) -> "DeviceAudit":
-        from ds_xc.parallel import collectives  # imported first: older revisions bound two collectives at import
-        for alias in ("_ALL_GATHER", "_REDUCE_SCATTER"):
-            if hasattr(collectives, alias):
-                bound = getattr(collectives, alias)
-                self._patch(collectives, alias, self._wrap(getattr(bound, "__name__", alias), bound))
         for name in COLLECTIVES:
             original = getattr(dist, name, None)
             if original is not None:
@@ -258,7 +270,7 @@ class DeviceAudit:
 
     def _start_simulation(self) -> None:
         gpus = _SimulatedGpus(self.simulate)
-        for name in ("device_count", "current_device", "set_device"):
+        for name in ("device_count", "current_device", "set_device", "synchronize"):
             self._patch(torch.cuda, name, getattr(gpus, name))
         self._patch(dist, "new_group", self._wrap_new_group(dist.new_group))
         try:  # DeepSpeed's engine binds through its accelerator; the CPU accelerator's does nothing
@@ -268,11 +280,7 @@ class DeviceAudit:
                 self._patch(accel, "set_device", lambda index: torch.cuda.set_device(int(index)))
         except ImportError:
             pass
-        try:  # a fresh process: nothing bound yet (ds_xc's record of a binding, where it keeps one)
-            from ds_xc.parallel import device
-            device.reset_binding()
-        except (ImportError, AttributeError):
-            pass
+        reset_binding()  # a fresh process: nothing bound yet
         self._patch_parameter()
         from_numpy = torch.from_numpy
 
