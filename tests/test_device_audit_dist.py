@@ -64,3 +64,13 @@ def test_launch_train_binds_before_its_first_collective(tmp_path):
     reports = [json.loads((tmp_path / f"rep{r}.json").read_text()) for r in range(2)]
     _no_findings(reports, "launch/train.py on 2 ranks")
     assert "done: 2 steps" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", ["torch_head.py", "deepspeed_head.py"])
+def test_examples_bind_before_their_first_collective(tmp_path, example):
+    """The examples as torchrun starts them, under the audit (they bind with ds_xc.bind_device)."""
+    run_ranks(["--simulate-gpus", "8", "--report", str(tmp_path / "rep{rank}.json"),
+               os.path.join(ROOT, "examples", example), "--steps", "2"], world=2,
+              script=os.path.join(ROOT, "ds_xc", "parallel", "device_audit.py"), timeout=300)
+    _no_findings([json.loads((tmp_path / f"rep{r}.json").read_text()) for r in range(2)], example)
