@@ -146,7 +146,8 @@ def run_two_process(timeout: float = TWO_PROCESS_S, env: dict | None = None) -> 
 def _judge(results: list) -> tuple:
     a, b = results
     audited = [r["audit"]["audited"] for r in results]
-    detail = (f"2 ranks on {a['device']} (head on {a['head_device']}), gloo: losses {[round(v, 4) for v in a['losses']]}, "
+    losses = [round(v, 4) for v in a["losses"]]
+    detail = (f"2 ranks on {a['device']} (head on {a['head_device']}), gloo: losses {losses}, "
               f"resumed at step {a['resumed']}, grown to {a['grown']} classes; strict device audit: "
               f"{audited} collectives of ds_xc, {sum(r['audit']['findings'] for r in results)} findings")
     problems = []

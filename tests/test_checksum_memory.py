@@ -1,4 +1,5 @@
-"""The head's checkpoint fingerprint (ds_xc/head/fingerprint.py, ClassParallelHead's extra state) without copies of the shard.
+"""The head's checkpoint fingerprint (ds_xc/head/fingerprint.py, in ClassParallelHead's extra state)
+without copies of the shard.
 
 ``state_dict()`` and ``load_state_dict()`` fingerprint the weight shard (sum, sum of squares in
 float64) so that an index saved with other weights is never used. The fingerprint equals the float64

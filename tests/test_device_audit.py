@@ -15,7 +15,8 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="simulates GPU
 def test_host_marks_follow_where_a_tensor_would_live():
     dev = torch.device("cpu")  # a device object the code was given: the rank's device
     with DeviceAudit(simulate_gpus=8):
-        made = {"no device": torch.zeros(3), "list": torch.tensor([1.0, 2.0]), "string cpu": torch.ones(2, device="cpu"),
+        made = {"no device": torch.zeros(3), "list": torch.tensor([1.0, 2.0]),
+                "string cpu": torch.ones(2, device="cpu"),
                 "given device": torch.zeros(3, device=dev), "numpy": torch.from_numpy(torch.ones(2).numpy())}
         on_dev = made["given device"]
         host = made["no device"]

@@ -60,6 +60,9 @@ def test_bind_device_refuses_a_local_rank_without_a_gpu(monkeypatch):
     with pytest.raises(DeviceBindingError, match=r"LOCAL_RANK=6: GPU 6 does not exist on this host, which shows "
                                                  r"4 GPU\(s\).*allowed: 0\.\.3"):
         bind_device()
+    one = _Host(monkeypatch, count=1)  # a scheduler that shows each rank its own GPU only
+    monkeypatch.setenv("LOCAL_RANK", "6")
+    assert bind_device() == torch.device("cuda", 0) and one.current == 0
     monkeypatch.setenv("LOCAL_RANK", "two")
     with pytest.raises(DeviceBindingError, match="LOCAL_RANK='two'"):
         local_rank_from_env()

@@ -39,7 +39,9 @@ def _guarded_lines(tree: ast.AST) -> set:
         if isinstance(node, ast.With):
             for item in node.items:
                 call = item.context_expr
-                name = getattr(call.func, "attr", getattr(call.func, "id", None)) if isinstance(call, ast.Call) else None
+                if not isinstance(call, ast.Call):
+                    continue
+                name = getattr(call.func, "attr", getattr(call.func, "id", None))
                 if name in GUARDS:
                     lines.update(range(node.lineno, node.end_lineno + 1))
     return lines

@@ -18,7 +18,8 @@ predictions with the fastest measured step):
 About 20 s on 2 cores. With ``device`` a GPU, every kernel and head runs there and is timed to the
 end of its work (ds_xc/cost/timing.py: the device is synchronised before the clock stops), so the
 constants are the GPU's, not its launch latencies. ``load_or_calibrate`` caches the constants as
-JSON per machine, thread count and device kind. The communication constants are a property of the group, not of the machine:
+JSON per machine, thread count and device kind. The communication constants are a property of the
+group, not of the machine:
 ``measure_link`` times a few collectives on the head's group (every rank calls it; under a
 second), and the tuner measures them at every start rather than caching them.
 """

@@ -68,7 +68,8 @@ def _source() -> str:
 def bind_device(local_rank: Optional[int] = None) -> torch.device:
     """Make this rank's GPU the current device and return it (the CPU device without GPUs).
 
-    ``local_rank``: the GPU index (default: the launcher's local rank, else 0). Call it before the
+    ``local_rank``: the GPU index (default: the launcher's local rank, else 0; cuda:0 when the process
+    sees one GPU, as under a scheduler that gives each rank its own ``CUDA_VISIBLE_DEVICES``). Call it before the
     first collective; ``ds_xc.initialize``, ``ds_xc.engine.init_distributed`` and launch/ do. Binding
     again to the same device is a no-op; logged once per binding."""
     count = gpu_count()
@@ -77,6 +78,8 @@ def bind_device(local_rank: Optional[int] = None) -> torch.device:
         return torch.device("cpu")
     env = local_rank_from_env()
     index = int(local_rank) if local_rank is not None else (0 if env is None else env)
+    if local_rank is None and count == 1:  # one GPU visible to this process (CUDA_VISIBLE_DEVICES per rank)
+        index = 0
     if not 0 <= index < count:
         shown = os.environ.get("CUDA_VISIBLE_DEVICES")
         raise DeviceBindingError(
