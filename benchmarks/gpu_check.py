@@ -52,6 +52,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: gpu_speed, harness
 from gpu_speed import (FULL_SIZES, ROOT, TOLERANCE, check_profile, check_targets, check_timing,  # noqa: E402
                        check_triton_tiles, profile_report, rel_error, tiles_report, timing_report)
+from gpu_check_multi import MULTI_CHECKS  # noqa: E402  issue 56: 2 ranks on one GPU, FusedAdam's arch list, 10^7 memory
 
 sys.path.insert(0, ROOT)
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -383,7 +384,7 @@ def report(ctx: dict, checks: Checks) -> str:
 CHECK_STEPS = (("env", check_env), ("build_cuda_hamming", check_build_cuda), ("build_triton", check_build_triton),
                ("head_step", check_head_step), ("timing", check_timing), ("parity_tests", check_parity_tests),
                ("triton_tiles", check_triton_tiles), ("profile", check_profile), ("targets", check_targets),
-               ("train_job", check_train_job))
+               ("train_job", check_train_job)) + MULTI_CHECKS
 
 
 def main(argv=None) -> int:

@@ -30,12 +30,14 @@ def parse_args(description: str, **extra) -> argparse.Namespace:
 
 
 def init_process_group() -> tuple[int, int]:
-    """gloo from torchrun's environment, or one process without a launcher (as torchrun would set it)."""
+    """gloo from torchrun's environment, or one process without a launcher (as torchrun would set it); the
+    rank's GPU (if any) bound first."""
     if "RANK" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    ds_xc.bind_device()  # cuda:LOCAL_RANK on a GPU host (logged), before the first collective; the CPU here
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     return dist.get_rank(), dist.get_world_size()

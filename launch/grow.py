@@ -130,9 +130,10 @@ def random_rows(head_cfg, first: int, num_classes: int, dtype) -> torch.Tensor:
                       head_cfg.seed, dtype=dtype)
 
 
-def imprint_parts(args, raw: dict, xcfg, first: int, parts_dir: str) -> None:
-    """Every rank: embed its part of the training samples, reduce the sums to the owners, and
-    write this rank's unit rows and counts to ``parts_dir`` (collective over the world)."""
+def imprint_parts(args, raw: dict, xcfg, first: int, parts_dir: str, device=None) -> None:
+    """Every rank: embed its part of the training samples on ``device`` (the rank's, bound by
+    init_distributed; None: the CPU), reduce the sums to the owners, and write this rank's unit rows
+    and counts to ``parts_dir`` (collective over the world)."""
     import torch.distributed as dist
 
     from ds_xc.data import build_dataset, dataset_kwargs
@@ -148,10 +149,10 @@ def imprint_parts(args, raw: dict, xcfg, first: int, parts_dir: str) -> None:
     backbone = build_backbone(data, hcfg.embedding_dim, hidden_dim=tcfg.hidden_dim)
     state = load_file(os.path.join(args.load_dir, args.tag, MODEL_FILE), "DeepSpeed model states")
     backbone.load_state_dict(state["module"])
-    backbone.eval()
+    backbone.eval().to(device)
     micro = int(raw.get("train_micro_batch_size_per_gpu", 256))
     total = args.imprint_samples or 16 * hcfg.num_classes
-    sums = ImprintSums(first, hcfg.num_classes, hcfg.embedding_dim)
+    sums = ImprintSums(first, hcfg.num_classes, hcfg.embedding_dim, device=device)
     calibrate = args.imprint_calibration == "match_cosine"
     old_rows, old_left = ShardRows(os.path.join(args.load_dir, args.tag)), math.ceil(args.imprint_old_samples / world)
     with torch.no_grad():
@@ -159,14 +160,14 @@ def imprint_parts(args, raw: dict, xcfg, first: int, parts_dir: str) -> None:
             x, y = data.train_batch(args.imprint_from_step + step, micro, rank, world)
             keep = y >= first
             if bool(keep.any()):
-                sums.add(backbone(x[keep]), y[keep])  # (n, d): only the new classes' samples are embedded
+                sums.add(backbone(x[keep].to(device)), y[keep])  # (n, d): only the new classes' samples
             old = torch.nonzero(~keep).squeeze(1)[: old_left if calibrate else 0]  # calibration: a few old ones
             if old.numel():
                 rows = torch.cat([old_rows.rows(int(c), 1) for c in y[old]])  # (n, d) their trained rows
-                sums.add_old(backbone(x[old]), rows)
+                sums.add_old(backbone(x[old].to(device)), rows)
                 old_left -= old.numel()
     start, rows, counts, info = imprint_rows(sums, group, calibrate=calibrate)
-    atomic_save({"start": start, "rows": rows, "counts": counts, **info},
+    atomic_save({"start": start, "rows": rows.cpu(), "counts": counts.cpu(), **info},
                 os.path.join(parts_dir, f"rank_{rank:05d}.pt"))
 
 
@@ -253,8 +254,12 @@ def grow(args) -> dict:
 
     from ds_xc.engine import init_distributed
     from ds_xc.parallel.agree import all_or_none
-    init_distributed(timeout_s=xcfg.xc_train.comm_timeout_s)
+    started = not dist.is_initialized()  # a caller's process group (a test's, a notebook's) is left running
+    device = init_distributed(timeout_s=xcfg.xc_train.comm_timeout_s)  # binds cuda:LOCAL_RANK first
     group = dist.group.WORLD  # the processes of this tool: each embeds its part of the samples
+    if dist.get_rank(group) == 0:
+        print(f"grow: {dist.get_world_size(group)} rank(s); rank 0 on {device} (every rank's device bound from its "
+              "local rank before the first collective)", flush=True)
     rank0 = dist.get_rank(group) == 0
     parts = None
     if args.init == "imprint" and new > meta["num_classes"]:
@@ -264,7 +269,7 @@ def grow(args) -> dict:
                 shutil.rmtree(parts, ignore_errors=True)
                 os.makedirs(parts)
         with all_or_none("grow: imprinting (one pass of the backbone)", group):
-            imprint_parts(args, raw, xcfg, meta["num_classes"], parts)
+            imprint_parts(args, raw, xcfg, meta["num_classes"], parts, device)
     report = {}
     try:
         with all_or_none("grow: writing the new checkpoint (rank 0)", group):
@@ -274,7 +279,8 @@ def grow(args) -> dict:
         if rank0 and parts:
             shutil.rmtree(parts, ignore_errors=True)
     dist.barrier(group=group)
-    dist.destroy_process_group()
+    if started:
+        dist.destroy_process_group()
     return report
 
 

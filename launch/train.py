@@ -101,8 +101,12 @@ def main(argv=None) -> dict:
     raw = build_config(args)
     xcfg = ds_xc.parse_config(raw)
     tcfg = xcfg.xc_train
-    init_distributed(timeout_s=tcfg.comm_timeout_s)  # a lost peer fails collectives after this long at most
+    # binds cuda:LOCAL_RANK first (before the data barrier and initialize's agreement); a lost peer fails
+    # collectives after comm_timeout_s at most
+    device = init_distributed(timeout_s=tcfg.comm_timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()
+    say(f"ds_xc: {world} rank(s); rank 0 on {device} (every rank's device bound from its local rank before its "
+        "first collective)")
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores between the ranks of this machine
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     try:

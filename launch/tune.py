@@ -87,21 +87,25 @@ def load_config(args) -> dict:
     return raw
 
 
-def build_inputs(raw: dict, rank: int, world: int, total: int, eval_count: int, probe_count: int = 0):
-    """Embeddings of the data set through its backbone at initialisation (frozen): the train
-    batches of the measured steps (the same for every candidate), the held-out batches of the
-    recall and those of the accuracy probe (the first ``probe_count``)."""
+def build_inputs(raw: dict, rank: int, world: int, total: int, eval_count: int, probe_count: int = 0,
+                 device=None):
+    """Embeddings of the data set through its backbone at initialisation (frozen), on ``device`` (the
+    rank's, bound by init_distributed; None: the CPU): the train batches of the measured steps (the
+    same for every candidate), the held-out batches of the recall and those of the accuracy probe (the
+    first ``probe_count``). The tuner builds its heads where the embeddings are."""
     xcfg = ds_xc.parse_config(raw)
     tcfg, hcfg = xcfg.xc_train, xcfg.extreme_classification
     data = build_task_data(tcfg, hcfg.num_classes, rank=rank, group=dist.group.WORLD)
     torch.manual_seed(tcfg.seed)
-    backbone = build_backbone(data, hcfg.embedding_dim, hidden_dim=tcfg.hidden_dim).eval()
+    backbone = build_backbone(data, hcfg.embedding_dim, hidden_dim=tcfg.hidden_dim).eval().to(device)
     micro = int(raw.get("train_micro_batch_size_per_gpu", 256)) * int(raw.get("gradient_accumulation_steps", 1))
+
+    def embedded(x, y):
+        return backbone(x.to(device)).float(), y.to(device)
     with torch.no_grad():
-        train = [data.train_batch(i, micro, rank, world) for i in range(total)]
-        train = [(backbone(x).float(), y) for x, y in train]
+        train = [embedded(*data.train_batch(i, micro, rank, world)) for i in range(total)]
         count = max(eval_count, probe_count)
-        held = [(backbone(x).float(), y) for x, y in data.eval_batches(micro, rank, world, count * micro * world)]
+        held = [embedded(x, y) for x, y in data.eval_batches(micro, rank, world, count * micro * world)]
     return ((lambda i: train[i % len(train)]), (lambda: iter(held[:eval_count])), (lambda: iter(held[:probe_count])),
             data.describe()["name"])
 
@@ -114,7 +118,7 @@ def main(argv=None) -> int:
     out = args.out or default_output_path(args.deepspeed_config)
     if os.path.exists(out) and os.path.samefile(out, args.deepspeed_config):
         raise SystemExit(f"--out {out!r} is the input config; the tuner never overwrites its input")
-    init_distributed()
+    device = init_distributed()  # binds cuda:LOCAL_RANK before any collective
     rank, world = dist.get_rank(), dist.get_world_size()
     t0 = time.perf_counter()
     cache_dir = default_cache_dir()
@@ -123,8 +127,9 @@ def main(argv=None) -> int:
                     args.max_accuracy_drop if probing else None)
     total = max(args.warmup + args.steps, args.pretrain_steps, args.probe_steps)
     train_batch, eval_batches, probe_batches, data_name = build_inputs(
-        raw, rank, world, total, args.eval_batches, args.probe_eval_batches if probing else 0)
-    say(f"ds_xc tune: {raw['extreme_classification']['num_classes']:,} classes, {data_name} data, {world} rank(s); "
+        raw, rank, world, total, args.eval_batches, args.probe_eval_batches if probing else 0, device)
+    say(f"ds_xc tune: {raw['extreme_classification']['num_classes']:,} classes, {data_name} data, {world} rank(s) "
+        f"(rank 0 on {device}, each rank's device bound from its local rank before the first collective); "
         f"target {target}; budget {args.time_budget_s:.0f} s")
     bar = None
     if rank == 0:

@@ -28,7 +28,7 @@ import time
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder, OpBuilder
 
 __all__ = ["HammingBuilder", "HammingCudaBuilder", "RowsBuilder", "SoftmaxBuilder", "SelectBuilder", "load_op",
-           "BUILDERS", "CSRC", "plain_arch_list"]
+           "BUILDERS", "CSRC", "plain_arch_list", "plain_arch_lists_for_deepspeed"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +102,39 @@ def plain_arch_list(value: str) -> str:
         if plain and plain not in out:
             out.append(plain)
     return ";".join(out)
+
+
+def plain_arch_lists_for_deepspeed() -> bool:
+    """Make every DeepSpeed CUDA op builder (FusedAdam, FusedLamb, ours) read an architecture-specific
+    ``TORCH_CUDA_ARCH_LIST`` ("9.0a", the H200 image's) as the plain list (:func:`plain_arch_list`).
+
+    DeepSpeed 0.19's ``CUDAOpBuilder.compute_capability_args`` reads each entry with ``int()`` and raises
+    on "0a"; ds_xc used to normalise the variable only around its own build, so a user's FusedAdam (built
+    by ``deepspeed.initialize``) still failed. The method is wrapped once, process-wide, when this module
+    is imported (``import ds_xc`` does): inside it the list it parses (the one ``jit_load`` captured, the
+    variable, the cross-compile list) is the plain one; the caller's variable is left as it is otherwise
+    (DeepSpeed's ``jit_load`` restores it after the build). Returns False when already wrapped."""
+    original = CUDAOpBuilder.compute_capability_args
+    if getattr(original, "__ds_xc_plain__", False):
+        return False
+
+    def compute_capability_args(self, cross_compile_archs=None):
+        jit = getattr(self, "_jit_arch_list", None)
+        if jit:
+            self._jit_arch_list = plain_arch_list(jit)
+        env = os.environ.get("TORCH_CUDA_ARCH_LIST")
+        if env and plain_arch_list(env) != env.strip():
+            os.environ["TORCH_CUDA_ARCH_LIST"] = plain_arch_list(env)  # DeepSpeed rewrites it next, from this
+        return original(self, plain_arch_list(cross_compile_archs) if cross_compile_archs else cross_compile_archs)
+
+    compute_capability_args.__ds_xc_plain__ = True
+    compute_capability_args.__wrapped__ = original
+    compute_capability_args.__doc__ = original.__doc__
+    CUDAOpBuilder.compute_capability_args = compute_capability_args
+    return True
+
+
+plain_arch_lists_for_deepspeed()
 
 
 class HammingCudaBuilder(_DsXcOp, CUDAOpBuilder):

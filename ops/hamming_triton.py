@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from ds_xc_ops.triton_util import HAVE_TRITON, interpreting
+from ds_xc_ops.triton_util import HAVE_TRITON, device_guard, interpreting
 
 __all__ = ["topk_ivf_triton", "TRITON_MAX_K", "ID_LIMIT"]
 
@@ -181,11 +181,12 @@ def topk_ivf_triton(q_codes, list_codes, list_ids, list_offsets, probes, k: int,
     k_pad = triton.next_power_of_2(k)
     block_r = max(k_pad, _MIN_BLOCK_R)
     keys = torch.empty(n, s, k_pad, dtype=torch.int64, device=dev)  # (N, S, K_PAD)
-    _ivf_scan_kernel[(n, s)](
-        _words(q_codes), _words(list_codes), list_ids.contiguous(), list_offsets.contiguous(),
-        probes.contiguous(), keys, num_probes, list_offsets.shape[0] - 1, pps, s,
-        W=words, BLOCK_W=triton.next_power_of_2(words), BLOCK_R=block_r, K_PAD=k_pad,
-        USE_POPC=not _INTERPRETED, RANK_MERGE=merge == "rank", num_warps=8 if k_pad >= 512 else 4)
+    with device_guard(keys):  # launched on the tensors' GPU, whatever the current device
+        _ivf_scan_kernel[(n, s)](
+            _words(q_codes), _words(list_codes), list_ids.contiguous(), list_offsets.contiguous(),
+            probes.contiguous(), keys, num_probes, list_offsets.shape[0] - 1, pps, s,
+            W=words, BLOCK_W=triton.next_power_of_2(words), BLOCK_R=block_r, K_PAD=k_pad,
+            USE_POPC=not _INTERPRETED, RANK_MERGE=merge == "rank", num_warps=8 if k_pad >= 512 else 4)
     keys = keys.view(n, s * k_pad)
     if s > 1:
         keys = torch.sort(keys, dim=1).values

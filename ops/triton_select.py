@@ -30,7 +30,7 @@ import os
 import torch
 
 from ds_xc_ops import builders
-from ds_xc_ops.triton_util import HAVE_TRITON, triton_unusable_reason
+from ds_xc_ops.triton_util import HAVE_TRITON, device_guard, triton_unusable_reason
 
 __all__ = ["select_above", "select_above_torch", "SELECT_BACKENDS", "TRITON_DTYPES", "DEFAULT_BLOCK", "NATIVE_ENV"]
 
@@ -98,14 +98,16 @@ def _select_triton(v: torch.Tensor, threshold: float, block: int):
     t32 = _threshold32(threshold)
     nblocks = triton.cdiv(n, block)
     counts = torch.empty(nblocks, dtype=torch.int32, device=v.device)  # (nblocks,)
-    _count_kernel[(nblocks,)](flat, counts, n, t32, BLOCK=block)
+    with device_guard(flat):  # launched on the tensors' GPU, whatever the current device
+        _count_kernel[(nblocks,)](flat, counts, n, t32, BLOCK=block)
     ends = torch.cumsum(counts, 0, dtype=torch.int64)  # (nblocks,)
     starts = ends - counts
     total = int(ends[-1])  # host sync: the output size
     idx = torch.empty(total, dtype=torch.int64, device=v.device)  # (m,)
     val = torch.empty(total, dtype=v.dtype, device=v.device)
     if total:
-        _scatter_kernel[(nblocks,)](flat, starts, idx, val, n, t32, BLOCK=block)
+        with device_guard(flat):
+            _scatter_kernel[(nblocks,)](flat, starts, idx, val, n, t32, BLOCK=block)
     return idx, val
 
 

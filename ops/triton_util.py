@@ -8,12 +8,13 @@ a bit trick there instead of libdevice's ``popc`` (see docs/ops.md).
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 
 import torch
 
-__all__ = ["HAVE_TRITON", "interpreting", "triton_usable", "triton_unusable_reason"]
+__all__ = ["HAVE_TRITON", "interpreting", "triton_usable", "triton_unusable_reason", "device_guard"]
 
 # Found, not imported: importing triton takes about a second, and ds_xc_ops.hamming (imported by
 # every sampler) only needs to know. The kernels are optional: callers fall back to PyTorch.
@@ -42,3 +43,12 @@ def triton_unusable_reason(device: torch.device) -> str | None:
 def triton_usable(device: torch.device) -> bool:
     """Whether a Triton kernel can run on tensors of `device` in this process."""
     return triton_unusable_reason(device) is None
+
+
+def device_guard(t: torch.Tensor):
+    """A context that makes ``t``'s GPU the current device around a Triton launch (a no-op for CPU
+    tensors, the interpreter's). Triton launches on the *current* device and its current stream, not on
+    the device of the tensors it is given: with tensors on cuda:k and another current device the kernel
+    ran on the wrong GPU (an illegal address, or a slow peer access). The CUDA op does the same
+    (ops/hamming.py)."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()

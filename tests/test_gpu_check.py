@@ -10,7 +10,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECKS = ("env", "build_cuda_hamming", "build_triton", "parity_tests", "head_step", "timing", "train_job", "profile",
-          "triton_tiles", "targets")
+          "triton_tiles", "targets", "two_process_gloo", "fused_adam_arch", "memory_1e7_bf16")
 
 
 @pytest.mark.slow
@@ -29,6 +29,8 @@ def test_gpu_check_dry_run(tmp_path):
     assert lines["parity_tests"][0] == "SKIP" and lines["targets"][0] == "SKIP"
     # every Triton kernel was compared with its PyTorch reference
     assert len(re.findall(r"error ([0-9.e+-]+), allowed", lines["build_triton"][1])) == 3
+    for name in ("two_process_gloo", "fused_adam_arch", "memory_1e7_bf16"):  # benchmarks/gpu_check_multi.py
+        assert lines[name][0] == "SKIP" and "no CUDA device" in lines[name][1], (name, lines[name])
     for name in ("env", "build_triton", "head_step", "timing", "train_job", "profile",
           "triton_tiles"):
         assert lines[name][0] == "PASS", (name, lines[name])

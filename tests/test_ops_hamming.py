@@ -339,11 +339,12 @@ def test_plain_arch_list_drops_architecture_specific_suffixes():
 def test_cuda_build_reads_an_arch_specific_list_and_restores_it(monkeypatch):
     """A CUDA image's TORCH_CUDA_ARCH_LIST="9.0a" (seen on the H200 image): DeepSpeed's builder reads
     every entry as int and fails; load_op builds with the plain list and gives the caller's back."""
+    from deepspeed.ops.op_builder.builder import CUDAOpBuilder
     jit = builders.HammingCudaBuilder()
     jit.jit_mode = True
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
     with pytest.raises(ValueError, match="0a"):
-        jit.compute_capability_args()  # DeepSpeed's own parser, unpatched
+        CUDAOpBuilder.compute_capability_args.__wrapped__(jit)  # DeepSpeed's own parser, unwrapped
     seen = []
 
     class Recording(builders.HammingCudaBuilder):

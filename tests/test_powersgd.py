@@ -167,8 +167,12 @@ def test_full_rank_is_the_dense_mean(pools, world):
             for i in range(len(SHAPES)):
                 _close(st["red"][i], mean[i], 1e-5)
         for i in COMPRESSED:  # e_r = M_r - mean: each rank keeps its deviation, which sums to zero
-            total = sum(res["steps"][step]["e"][i].double() for res in results)
-            _close(total, torch.zeros_like(total), 1e-5)
+            parts = [res["steps"][step]["e"][i].double() for res in results]
+            total = sum(parts)
+            # up to float32 rounding relative to the entries (the full-rank factors are orthogonalised in
+            # float32): 1.49e-5 at entries up to 3.0 on 3 ranks (torch 2.13), over a flat 1e-5
+            scale = max(1.0, max(float(p.abs().max()) for p in parts))
+            _close(total, torch.zeros_like(total), 1e-5 * scale)
 
 
 def _train_classifier(rank, world, cfg, steps):

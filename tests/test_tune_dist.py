@@ -85,7 +85,7 @@ def _link(rank, world, fake_ms, no_transfer=False):
     real, real_predict = cal._step_times, comm.predict_time
     ring = (world - 1) * (4 * world + 6)  # by hand: see test_measure_link_on_ranks
 
-    def fake(section, rows, group, steps, warmup, seed):
+    def fake(section, rows, group, steps, warmup, seed, device=None):
         return [0.010 + (fake_ms * 1e-3 * ring if group_size(group) > 1 else 0.0)] * steps
     if fake_ms:
         cal._step_times = fake

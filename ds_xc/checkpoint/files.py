@@ -117,6 +117,7 @@ def refuse_under_launcher(tool: str) -> None:
     if world.isdigit() and int(world) > 1:
         raise SystemExit(f"{tool}: WORLD_SIZE={world}: this is a single-process tool (it reads and writes files, "
                          f"no process group); run it once with `python launch/{tool}.py ...`, not under a launcher")
+    log.info("%s: file work in one process on the CPU: no process group, no collective, no GPU bound", tool)
 
 
 # ---------------------------------------------------------------------- reading, validated

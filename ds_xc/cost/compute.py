@@ -202,6 +202,7 @@ class Constants:
     comm_s_per_byte: float = 1.0 / 1e9  # per byte of a ring step
     threads: int = 1
     machine: str = ""
+    device: str = "cpu"  # what the kernels were timed on: "cpu" or the GPU's name (calibrate.device_kind)
     version: int = CONSTANTS_VERSION
 
     @property

@@ -26,6 +26,7 @@ from ds_xc.engine.reduction import (check_sparse_rows, compression_nodes, plan_h
 from ds_xc.head import ClassParallelHead, build_head_optimizer
 from ds_xc.optim.deepspeed import attach_partition_layouts, build_backbone_optimizer, check_backbone_optimizer
 from ds_xc.parallel.agree import agree, all_or_none
+from ds_xc.parallel.device import bind_device
 from ds_xc.parallel.groups import copy_subgroups, group_size, resolve_group, set_comm_timeout
 from ds_xc.peers import gather_peers
 
@@ -92,10 +93,15 @@ def cpu_friendly_deepspeed():
     return deepspeed
 
 
-def init_distributed(timeout_s: float = 1800.0) -> None:
-    """Start torch.distributed the way DeepSpeed does (gloo on CPU, NCCL on GPU).
+def init_distributed(timeout_s: float = 1800.0) -> torch.device:
+    """Bind this rank's device, then start torch.distributed the way DeepSpeed does (gloo on CPU, NCCL
+    on GPU); returns the rank's device.
 
-    Without launcher variables (a plain ``python train.py``) it starts a one-process group.
+    The GPU is bound first (``ds_xc.parallel.device.bind_device``: cuda:LOCAL_RANK, logged), so that
+    no collective of any rank of a host lands on cuda:0 (the data barrier of launch/train.py, the
+    agreement of ``initialize`` and everything of launch/grow.py and tune.py run before DeepSpeed's
+    engine would bind it). When torch.distributed is running already it only binds. Without
+    launcher variables (a plain ``python train.py``) it starts a one-process group.
     """
     import datetime
     import socket
@@ -105,9 +111,11 @@ def init_distributed(timeout_s: float = 1800.0) -> None:
             port = s.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = bind_device()  # before the first collective of anything
     deepspeed = cpu_friendly_deepspeed()
     deepspeed.init_distributed(timeout=datetime.timedelta(seconds=timeout_s))
     set_comm_timeout(timeout_s)  # for the groups ds_xc creates (torch would give them 30 minutes)
+    return device
 
 
 def _base_lr(raw: dict, optimizer) -> Optional[float]:
@@ -146,6 +154,8 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
     the classes are sharded over (a ProcessGroup or 1-D DeviceMesh; default: the world). The
     head built here is 1-D: the 2-D layout (``ClassParallelHead(replica_group=...)``) is for
     plain torch.distributed / DDP for now (docs/head.md, "2-D layout").
+    Binds the rank's device first (``ds_xc.parallel.device.bind_device``: cuda:LOCAL_RANK, as
+    DeepSpeed's engine would later), before any collective.
     Collective over the world (as ``deepspeed.initialize``): the groups ds_xc adds (the
     non-finite verdict's, the overlap schedule's) are created by every rank
     (``ds_xc.parallel.groups.copy_subgroups``). The backbone's reduction (compression,
@@ -159,6 +169,7 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
         check_supported(raw)
         cfg.parse_config(raw)
         init_distributed()  # a plain `python script.py` becomes a one-process group
+    bind_device()  # cuda:LOCAL_RANK before the agreement's collectives (DeepSpeed binds only in its engine)
     head_group = resolve_group(head_group)  # None: the world, named explicitly
     xc_config = _agreed_config(raw, head_group)
     if model_parameters is None:

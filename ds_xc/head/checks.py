@@ -15,10 +15,11 @@ from typing import Optional
 import torch
 
 from ds_xc import config as cfg
+from ds_xc.parallel.groups import comm_device
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BAD_INPUT", "NONFINITE", "Verdict", "local_problem", "fill_verdict", "decide"]
+__all__ = ["BAD_INPUT", "NONFINITE", "Verdict", "local_problem", "check_comm_device", "fill_verdict", "decide"]
 
 BAD_INPUT, NONFINITE = 2, 1  # per-rank verdict codes (larger = worse)
 
@@ -38,6 +39,7 @@ def local_problem(head, embeddings: Optional[torch.Tensor], labels: torch.Tensor
     None when fine, else the error to raise. ``embeddings`` None: the overlap schedule's
     backbone mode, where only the row count is known before the first gather."""
     where = f"on rank {head.rank}"
+    check_comm_device(head)
     if embeddings is not None:
         if embeddings.dim() != 2 or embeddings.shape[1] != head.embedding_dim:
             return ValueError(f"embeddings must have shape (batch, {head.embedding_dim}), got "
@@ -56,6 +58,17 @@ def local_problem(head, embeddings: Optional[torch.Tensor], labels: torch.Tensor
         return ValueError(f"labels must be on the embeddings' device {head.weight.device}, got "
                           f"{labels.device} {where}")
     return None
+
+
+def check_comm_device(head) -> None:
+    """Raise at once (before the check's all-reduce, which would hang or fail) when the head's group is
+    NCCL and this rank's GPU is not the current device (DeviceBindingError, from comm_device) or the
+    head's weight is not on it: NCCL moves tensors of the rank's own GPU only."""
+    dev = comm_device(head.group)
+    if dev.type == "cuda" and head.weight.device != dev:
+        raise ValueError(f"the head's weight is on {head.weight.device}, but its group's collectives (NCCL) run on "
+                         f"{dev}, this rank's device (rank {head.rank}); build the head with device={str(dev)!r} "
+                         "(ds_xc.initialize does: the engine's device) or move it there with head.to(...)")
 
 
 def fill_verdict(head, row: torch.Tensor, embeddings: Optional[torch.Tensor], labels: torch.Tensor) -> None:

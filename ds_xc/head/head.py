@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from ds_xc import config as cfg
 from ds_xc.head.checks import BAD_INPUT, Verdict, decide, fill_verdict, local_problem
+from ds_xc.head.fingerprint import weight_checksum as _checksum
 from ds_xc.head.margins import TargetLoss, build_loss
 from ds_xc.head.partition import init_shard, shard_range, shard_topk
 from ds_xc.head.replicas import Replicas
@@ -447,10 +448,3 @@ class ClassParallelHead(nn.Module):
         out = super()._apply(fn, *args, **kwargs)
         self.sampler.to(self.weight.device)
         return out
-
-
-def _checksum(weight: torch.Tensor) -> tuple:
-    """A cheap fingerprint of a weight shard: (sum, sum of squares) in float64."""
-    w = weight.detach().double()
-    return (float(w.sum()), float((w * w).sum()))
-

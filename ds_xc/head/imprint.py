@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ds_xc.parallel.groups import group_rank, group_ranks, group_size, is_distributed
+from ds_xc.parallel.groups import comm_device, group_rank, group_ranks, group_size, is_distributed
 
 __all__ = ["ImprintSums", "imprint_rows", "new_class_range"]
 
@@ -48,24 +48,29 @@ class ImprintSums:
 
     ``add(emb, labels)`` keeps the rows whose label is a new class (others are ignored): emb (B, d),
     labels (B,). Summing in float64 makes the result independent of how the samples were split.
+    ``device``: where the sums live (the rank's device; None: the CPU); embeddings and rows are moved
+    there. :func:`imprint_rows` reduces them on the group's communication device.
     """
 
-    def __init__(self, first: int, num_classes: int, dim: int):
+    def __init__(self, first: int, num_classes: int, dim: int, device=None):
         if not 0 <= first < num_classes:
             raise ValueError(f"imprinting: first new class {first} must be in [0, num_classes={num_classes})")
         self.first, self.num_classes, self.dim = int(first), int(num_classes), int(dim)
-        self.sums = torch.zeros(num_classes - first, dim + 1, dtype=torch.float64)  # (K, d + 1): sums, count
-        self.moment = torch.zeros(dim, dim, dtype=torch.float64)  # sum of x x^T of the unit embeddings added
-        self.old = torch.zeros(2, dtype=torch.float64)  # sum of cos(old row, its sample), samples
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        f64 = dict(dtype=torch.float64, device=self.device)
+        self.sums = torch.zeros(num_classes - first, dim + 1, **f64)  # (K, d + 1): sums, count
+        self.moment = torch.zeros(dim, dim, **f64)  # sum of x x^T of the unit embeddings added
+        self.old = torch.zeros(2, **f64)  # sum of cos(old row, its sample), samples
 
     def add_old(self, emb: torch.Tensor, rows: torch.Tensor) -> None:
         """Old-class samples for the calibration: emb (n, d) and their classes' trained rows (n, d)."""
         if emb.shape != rows.shape or emb.dim() != 2 or emb.shape[1] != self.dim:
             raise ValueError(f"imprinting: old-class embeddings {tuple(emb.shape)} and rows {tuple(rows.shape)}; "
                              f"expected two (n, {self.dim}) tensors")
-        x = F.normalize(emb.detach().cpu().double(), dim=1)  # (n, d)
-        self.old += torch.tensor([float((x * F.normalize(rows.cpu().double(), dim=1)).sum()), x.shape[0]],
-                                 dtype=torch.float64)
+        x = F.normalize(emb.detach().to(self.device, torch.float64), dim=1)  # (n, d)
+        cos = (x * F.normalize(rows.detach().to(self.device, torch.float64), dim=1)).sum()
+        self.old[0] += cos
+        self.old[1] += x.shape[0]
         self.moment += x.t() @ x
 
     def add(self, emb: torch.Tensor, labels: torch.Tensor) -> int:
@@ -73,15 +78,16 @@ class ImprintSums:
         if emb.dim() != 2 or emb.shape[1] != self.dim or labels.shape != emb.shape[:1]:
             raise ValueError(f"imprinting: embeddings {tuple(emb.shape)} and labels {tuple(labels.shape)}; "
                              f"expected (B, {self.dim}) and (B,)")
-        labels = labels.to(torch.int64).cpu()
+        labels = labels.to(self.device, torch.int64)
         keep = (labels >= self.first) & (labels < self.num_classes)
-        if not bool(keep.any()):
+        count = int(keep.sum())
+        if not count:
             return 0
-        x = F.normalize(emb.detach().cpu()[keep].double(), dim=1)  # (n, d)
-        rows = torch.cat([x, torch.ones(x.shape[0], 1, dtype=torch.float64)], 1)  # (n, d + 1)
-        self.sums.index_add_(0, labels[keep] - self.first, rows)
+        x = F.normalize(emb.detach().to(self.device)[keep].double(), dim=1)  # (n, d)
+        rows = torch.cat([x, x.new_ones(x.shape[0], 1)], 1)  # (n, d + 1)
+        self.sums.index_put_((labels[keep] - self.first,), rows, accumulate=True)  # deterministic on CUDA too
         self.moment += x.t() @ x
-        return int(keep.sum())
+        return count
 
 
 def imprint_rows(sums: ImprintSums, group, calibrate: bool = True) -> tuple[int, torch.Tensor, torch.Tensor, dict]:
@@ -93,26 +99,28 @@ def imprint_rows(sums: ImprintSums, group, calibrate: bool = True) -> tuple[int,
     num_new = sums.sums.shape[0]
     mine = None
     members = group_ranks(group) if is_distributed(group) else [0]
+    comm = comm_device(group)  # NCCL: this rank's GPU; gloo: the CPU
     for owner in range(world):
         off, count = new_class_range(num_new, world, owner)
-        block = sums.sums[off: off + count].clone()  # (K_o, d + 1)
+        block = sums.sums[off: off + count].to(comm, copy=True)  # (K_o, d + 1)
         if is_distributed(group) and count:
             dist.reduce(block, dst=members[owner], op=dist.ReduceOp.SUM, group=group)
         if owner == rank:
-            mine = (off, block)
+            mine = (off, block.to(sums.device))
     off, block = mine
     counts = block[:, -1]
     mu = F.normalize(block[:, :-1], dim=1)  # (K_o, d) normalised class means; zero rows (no sample) stay zero
     # global statistics: old rows' own-class cosine, new means' (sum_c |sum_c| / n), the second moment
     stats = torch.cat([sums.old, torch.stack([block[:, :-1].norm(dim=1).sum(), counts.sum()]),
-                       sums.moment.flatten()])  # (4 + d * d,)
+                       sums.moment.flatten()]).to(comm)  # (4 + d * d,)
     if is_distributed(group):
         dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+    stats = stats.cpu()  # a few numbers and the (d, d) moment, read on the host below
     a_old = float(stats[0] / stats[1]) if stats[1] > 0 else float("nan")
     a_new = float(stats[2] / stats[3]) if stats[3] > 0 else float("nan")
     kappa = min(1.0, a_old / a_new) if calibrate and stats[1] > 0 and a_new > 0 else 1.0
     if kappa < 1.0:
-        mu = _turn(mu, stats[4:].view(sums.dim, sums.dim), kappa)
+        mu = _turn(mu, stats[4:].view(sums.dim, sums.dim).to(mu.device), kappa)
     return sums.first + off, mu, counts.round().to(torch.int64), {"kappa": kappa, "a_old": a_old, "a_new": a_new}
 
 

@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 
 from ds_xc.head.margins import TargetLoss
-from ds_xc_ops.triton_util import interpreting
+from ds_xc_ops.triton_util import device_guard, interpreting
 from ds_xc.head.softmax import Reducer, finish_weight_grad, inverse_row_norms, merge_row_stats
 
 __all__ = ["triton_fused_loss_and_grads", "TileConfig", "default_tiles", "gpu_tiles", "SUPPORTED_DTYPES"]
@@ -127,9 +127,10 @@ def _row_stats(x, w, rx, rw, t32, zt, tiles, scale):
     m = torch.empty((splits, n), dtype=torch.float32, device=x.device)  # (S, N)
     lsum = torch.empty_like(m)
     grid = (_cdiv(n, tiles.block_m), splits)
-    forward_stats_kernel[grid](x, w, rx, rw, t32, zt, m, lsum, n, k, d, per, scale,
-                               BM=tiles.block_m, BN=tiles.block_n, BD=tiles.block_d,
-                               PRECISION=tiles.precision, NATIVE=_native(tiles, x, w), **_launch(tiles))
+    with device_guard(x):  # launched on the tensors' GPU, whatever the current device
+        forward_stats_kernel[grid](x, w, rx, rw, t32, zt, m, lsum, n, k, d, per, scale,
+                                   BM=tiles.block_m, BN=tiles.block_n, BD=tiles.block_d,
+                                   PRECISION=tiles.precision, NATIVE=_native(tiles, x, w), **_launch(tiles))
     m_loc = m.max(dim=0).values  # (N,)
     lsum = torch.where(lsum > 0, lsum * torch.exp(m - m_loc[None, :]), torch.zeros_like(lsum)).sum(dim=0)
     return m_loc, lsum
@@ -160,10 +161,11 @@ def _gradients(x, w, rx, rw, t32, lse, gt, need_gx, need_gw, gw, tiles, scale):
     splits = _cdiv(num_tiles, per)
     gxp = torch.zeros((splits, n, d) if need_gx else (1,), dtype=torch.float32, device=x.device)  # (S, N, d)
     gw_arg = gw if need_gw else torch.zeros((1,), dtype=torch.float32, device=x.device)
-    backward_kernel[(splits,)](x, w, rx, rw, t32, lse, gt, gxp, gw_arg, n, k, d, per, scale,
-                               NEED_GX=need_gx, NEED_GW=need_gw,
-                               BM=tiles.block_m, BN=tiles.block_n, BD=tiles.block_d,
-                               PRECISION=tiles.precision, NATIVE=_native(tiles, x, w), **_launch(tiles))
+    with device_guard(x):
+        backward_kernel[(splits,)](x, w, rx, rw, t32, lse, gt, gxp, gw_arg, n, k, d, per, scale,
+                                   NEED_GX=need_gx, NEED_GW=need_gw,
+                                   BM=tiles.block_m, BN=tiles.block_n, BD=tiles.block_d,
+                                   PRECISION=tiles.precision, NATIVE=_native(tiles, x, w), **_launch(tiles))
     return gxp.sum(dim=0) if need_gx else None  # (N, d)
 
 

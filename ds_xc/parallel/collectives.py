@@ -27,19 +27,22 @@ __all__ = ["all_gather_rows", "all_gather_no_grad", "replicated_rows", "exchange
            "reduce_scatter_flat", "PaddedGather", "PaddedReduceScatter", "gather_stacked", "merge_topk",
            "all_reduce_mean_", "PendingMean", "scale_grad", "allreduce_bytes"]
 
-# torch 2.13 renamed the flat-tensor collectives; keep older torch (>= 2.4) working too
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+def _flat_collective(new_name: str, old_name: str):
+    """torch 2.13 renamed the flat-tensor collectives; older torch (>= 2.4) has the old names. Looked up at
+    every call, not bound at import, so that a wrapper of torch.distributed's collectives (the device
+    audit, ds_xc/parallel/device_audit.py) sees these calls too."""
+    return getattr(dist, new_name, None) or getattr(dist, old_name)
 
 
 def gather_flat(out: torch.Tensor, x: torch.Tensor, group=None, async_op: bool = False):
     """All-gather equal blocks ``x`` (n, ...) into ``out`` (P*n, ...), rank order."""
-    return _ALL_GATHER(out, x, group=group, async_op=async_op)
+    return _flat_collective("all_gather_single", "all_gather_into_tensor")(out, x, group=group, async_op=async_op)
 
 
 def reduce_scatter_flat(out: torch.Tensor, x: torch.Tensor, group=None, async_op: bool = False):
     """Sum ``x`` (P*n, ...) over ranks and keep this rank's block in ``out`` (n, ...)."""
-    return _REDUCE_SCATTER(out, x, group=group, async_op=async_op)
+    return _flat_collective("reduce_scatter_single", "reduce_scatter_tensor")(out, x, group=group,
+                                                                                async_op=async_op)
 
 
 def exchange_sizes(num_rows: int, group=None, device=None) -> list[int]:

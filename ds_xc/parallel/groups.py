@@ -19,6 +19,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ds_xc.parallel.device import check_bound
+
 ProcessGroup = Optional["dist.ProcessGroup"]
 
 
@@ -28,16 +30,33 @@ def is_distributed(group: ProcessGroup = None) -> bool:
 
 
 def comm_device(group: ProcessGroup = None) -> torch.device:
-    """Where a tensor handed to a collective on ``group`` must live: the current GPU when the group's
+    """Where a tensor handed to a collective on ``group`` must live: this rank's GPU when the group's
     backend is NCCL alone (NCCL moves CUDA tensors only: a CPU tensor fails with "No backend type
     associated with device type cpu"), else the CPU (gloo, a mixed "cpu:gloo,cuda:nccl" group, one
-    process). Small bookkeeping tensors (flags, counts, verdicts) are made here before a collective."""
+    process). Small bookkeeping tensors (flags, counts, verdicts) are made here before a collective.
+
+    For NCCL: the group's bound device when it has one (``init_process_group(device_id=...)``), else the
+    current device after checking that it is this rank's (ds_xc.parallel.device.check_bound: a
+    DeviceBindingError names the device and how to bind it, where NCCL would open the rank's
+    communicator on another rank's GPU)."""
     if not (dist.is_available() and dist.is_initialized()):
         return torch.device("cpu")
-    backend = str(dist.get_backend(resolve_group(group))).lower()
-    if "nccl" in backend and "cpu" not in backend and "gloo" not in backend:
+    pg = resolve_group(group)
+    if is_nccl(pg):
+        bound = getattr(pg, "bound_device_id", None)
+        if bound is not None:
+            return torch.device(bound)
+        check_bound("a collective on an NCCL group")
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def is_nccl(group: ProcessGroup = None) -> bool:
+    """True when ``group``'s collectives run on NCCL alone (CUDA tensors only)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    backend = str(dist.get_backend(resolve_group(group))).lower()
+    return "nccl" in backend and "cpu" not in backend and "gloo" not in backend
 
 
 def group_size(group: ProcessGroup = None) -> int:

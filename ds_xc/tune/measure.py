@@ -9,9 +9,13 @@ active set), backward, optimizer step; its wall time is the median over the time
 max over the ranks of the group. The index build at the first step is timed apart and amortised
 over ``rebuild_interval`` as the time model does.
 
-Memory per rank from /proc/self/status: persistent = VmRSS after the warm-up less VmRSS before
-the head was built (weights, optimizer state, index); peak = the high-water mark (VmHWM, reset
-through /proc/self/clear_refs) over the timed steps less the same baseline.
+The head lives on the device of the embeddings (``batch_device``: the rank's GPU in a GPU job,
+launch/tune.py moves them there), and each step is timed to the end of its work on that device
+(ds_xc/cost/timing.py). Memory per rank is that device's: on a GPU torch's allocator
+(``memory_allocated``; peak ``max_memory_allocated``, reset before the timed steps), on the CPU
+/proc/self/status; persistent = the memory after the warm-up less the memory before the head was
+built (weights, optimizer state, index); peak = the high-water mark (VmHWM, reset through
+/proc/self/clear_refs, on the CPU) over the timed steps less the same baseline.
 
 Recall: after the steps, on held-out batches, the sampler's active set for each gathered batch
 (built under no_grad, so no step is counted and the index is not changed) against the exact
@@ -25,19 +29,20 @@ import gc
 import logging
 import math
 import statistics
-import time
 from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 
+from ds_xc.cost.timing import timed
 from ds_xc.head import ClassParallelHead, build_head_optimizer
 from ds_xc.parallel.groups import comm_device, is_distributed
 from ds_xc.sampling.metrics import active_set_quality
 
 log = logging.getLogger(__name__)
 
-__all__ = ["rss_bytes", "hwm_bytes", "reset_peak", "measure_candidate", "sampler_recall", "one_step"]
+__all__ = ["rss_bytes", "hwm_bytes", "reset_peak", "measure_candidate", "sampler_recall", "one_step", "batch_device",
+           "device_bytes", "device_peak_bytes", "reset_device_peak"]
 
 
 def _status_kib(name: str) -> int:
@@ -65,6 +70,30 @@ def reset_peak() -> None:
             fh.write("5")
     except OSError:  # not Linux, or not permitted: the peak then counts from the start
         pass
+
+
+def batch_device(train_batch: Callable[[int], tuple]) -> torch.device:
+    """The device of the embeddings ``train_batch`` yields: where a measured head is built (a GPU job's
+    embeddings are on the rank's GPU, so its heads, their collectives and their memory are too)."""
+    return train_batch(0)[0].device
+
+
+def device_bytes(device: torch.device) -> int:
+    """Memory held now on ``device``: torch's allocated bytes on a GPU, the process's RSS on the CPU."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else rss_bytes()
+
+
+def device_peak_bytes(device: torch.device) -> int:
+    """The high-water mark on ``device`` since :func:`reset_device_peak`."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else hwm_bytes()
+
+
+def reset_device_peak(device: torch.device) -> None:
+    """Start a new high-water mark on ``device`` (torch's allocator statistics, or VmHWM)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        reset_peak()
 
 
 def release_free_memory() -> None:
@@ -123,13 +152,12 @@ def sampler_recall(head: ClassParallelHead, batches: Iterable, k: int = 10) -> d
 
 def one_step(head, opt, x, y) -> float:
     """Seconds of one training step of ``head``: forward, backward, optimizer step (the probe's
-    steps and the measured ones are the same code)."""
-    t0 = time.perf_counter()
-    loss = head(x, y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return time.perf_counter() - t0
+    steps and the measured ones are the same code), to the end of its work on the head's device."""
+    def step():
+        head(x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return timed(step, head.weight.device)
 
 
 def measure_candidate(section: dict, train_batch: Callable[[int], tuple], eval_batches: Callable[[], Iterable],
@@ -143,8 +171,9 @@ def measure_candidate(section: dict, train_batch: Callable[[int], tuple], eval_b
     rank's shard) replaces the initial weights; ``sampler_state`` (an ANN sampler's state_dict built
     on those weights) and its ``build_s`` replace the index build."""
     release_free_memory()
-    baseline = rss_bytes()
-    head = ClassParallelHead.from_config(section, group=group)
+    device = batch_device(train_batch)
+    baseline = device_bytes(device)
+    head = ClassParallelHead.from_config(section, group=group, device=device)
     opt = build_head_optimizer(head, section.get("optimizer", {}))
     if init_weight is not None:  # this rank's shard of shared trained weights
         with torch.no_grad():
@@ -152,21 +181,19 @@ def measure_candidate(section: dict, train_batch: Callable[[int], tuple], eval_b
     if sampler_state is not None:  # the index of those weights, built once by the screen
         head.sampler.load_state_dict(copy.deepcopy(sampler_state))  # a copy: the steps re-encode rows
     elif hasattr(head.sampler, "rebuild"):  # the first step's index build, timed apart
-        t0 = time.perf_counter()
-        head.rebuild_index()
-        build_s = time.perf_counter() - t0
+        build_s = timed(head.rebuild_index, device)
     build_s = build_s or 0.0
     times = []
     for i in range(warmup + steps):
         x, y = train_batch(i)
         if i == warmup:
-            reset_peak()
+            reset_device_peak(device)
         dt = one_step(head, opt, x.detach().requires_grad_(True), y)
         if i >= warmup:
             times.append(dt)
-    peak = hwm_bytes() - baseline
+    peak = device_peak_bytes(device) - baseline
     release_free_memory()  # the steps' freed buffers are the allocator's, not the head's: handed back first
-    persistent = rss_bytes() - baseline  # what the head holds between steps
+    persistent = device_bytes(device) - baseline  # what the head holds between steps
     every = getattr(head.sampler_config, "rebuild_interval", 0)
     tensors = tensor_bytes(head, opt)
     step_s, step_min = statistics.median(times), min(times)

@@ -37,7 +37,7 @@ from ds_xc.evaluate import evaluate_topk
 from ds_xc.head import ClassParallelHead, build_head_optimizer
 from ds_xc.parallel.agree import all_or_none
 from ds_xc.parallel.groups import comm_device, is_distributed
-from ds_xc.tune.measure import one_step, release_free_memory
+from ds_xc.tune.measure import batch_device, one_step, release_free_memory
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def probe_accuracy(section: dict, train_batch: Callable[[int], tuple], eval_batc
     the same section, steps and reference, and the same number of held-out batches."""
     t0 = time.perf_counter()
     release_free_memory()
-    head = ClassParallelHead.from_config(section, group=group)
+    head = ClassParallelHead.from_config(section, group=group, device=batch_device(train_batch))
     opt = build_head_optimizer(head, section.get("optimizer", {}))
     for i in range(steps):
         x, y = train_batch(i)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import time
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -25,7 +24,8 @@ from ds_xc.head import ClassParallelHead, build_head_optimizer
 import torch.distributed as dist
 
 from ds_xc.parallel.groups import comm_device, is_distributed
-from ds_xc.tune.measure import one_step, release_free_memory
+from ds_xc.cost.timing import timed
+from ds_xc.tune.measure import batch_device, one_step, release_free_memory
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def pretrain_weight(section: dict, train_batch: Callable[[int], tuple], steps: i
     cheap = copy.deepcopy(section)
     cheap["sampler"] = {"type": "uniform", "sample_rate": 0.1}
     cheap["optimizer"] = dict(cheap.get("optimizer", {}), update="lazy")
-    head = ClassParallelHead.from_config(cheap, group=group)
+    head = ClassParallelHead.from_config(cheap, group=group, device=batch_device(train_batch))
     opt = build_head_optimizer(head, cheap["optimizer"])
     for i in range(steps):
         x, y = train_batch(i)
@@ -112,12 +112,10 @@ def screen_recall(sections: list, weight: torch.Tensor, eval_batches: Callable[[
             for i in members:
                 out[i] = 1.0
             continue
-        head = ClassParallelHead.from_config(first, group=group)
+        head = ClassParallelHead.from_config(first, group=group, device=weight.device)
         with torch.no_grad():
             head.weight.copy_(weight)
-        t0 = time.perf_counter()
-        head.rebuild_index()
-        build_s = time.perf_counter() - t0
+        build_s = timed(head.rebuild_index, weight.device)
         if indexes is not None and hasattr(head.sampler, "index"):
             indexes[_structure(first["sampler"])] = (head.sampler.state_dict(), build_s)
         if exact is None:  # the exact top-10 depends on the weights only: once for every candidate

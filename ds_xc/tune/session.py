@@ -20,7 +20,7 @@ from ds_xc.cost.calibrate import load_or_calibrate, measure_link
 from ds_xc.cost.compute import Constants, global_batch_of
 from ds_xc.parallel.groups import comm_device, group_ranks, is_distributed, new_groups
 from ds_xc.tune.cache import MeasurementCache
-from ds_xc.tune.measure import measure_candidate
+from ds_xc.tune.measure import batch_device, measure_candidate
 from ds_xc.tune.probe import BLOCK, Z, probe_accuracy
 from ds_xc.tune.space import TUNED_KEYS
 from ds_xc.tune.screen import pretrain_weight, screen_recall, structure_key
@@ -54,20 +54,22 @@ def changed_keys(before: dict, after: dict, prefix: str = "") -> list:
     return out
 
 
-def shared_constants(path: Optional[str], group=None, recalibrate: bool = False) -> Constants:
+def shared_constants(path: Optional[str], group=None, recalibrate: bool = False, device=None) -> Constants:
     """Rank 0's calibrated (or cached) constants on every rank of ``group`` (the world, or a group
     every world rank calls this for), with the link of ``group``'s collectives measured now (it
-    depends on the group and its placement, not on the machine: never cached)."""
+    depends on the group and its placement, not on the machine: never cached). ``device``: where the
+    job's head runs (the rank's GPU in a GPU job; None: the CPU): the kernels and heads are timed there."""
     if not is_distributed(group):
-        return load_or_calibrate(path, recalibrate=recalibrate)
+        return load_or_calibrate(path, recalibrate=recalibrate, device=device)
     # the calibration's heads run on rank 0 alone: a one-rank group per rank (every world rank
     # creates every group, in the same order), so that rank 0's heads wait for no one
     solo = new_groups([[r] for r in group_ranks(None)])
-    mine = load_or_calibrate(path, recalibrate=recalibrate, group=solo) if dist.get_rank(group=group) == 0 else None
+    mine = (load_or_calibrate(path, recalibrate=recalibrate, group=solo, device=device)
+            if dist.get_rank(group=group) == 0 else None)
     box = [None if mine is None else mine.to_json()]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
     c = Constants.from_json(box[0])
-    c.set_link(measure_link(group, solo))
+    c.set_link(measure_link(group, solo, device=device))
     return c
 
 
@@ -131,7 +133,7 @@ def tune(raw: dict, target: Target, train_batch: Callable[[int], tuple], eval_ba
         raise ValueError(f"tune: max_accuracy_drop={target.max_accuracy_drop}; allowed: a fraction >= 0 "
                          "(0.0025 = a quarter point of top-1)")
     t0 = time.perf_counter()
-    constants = shared_constants(constants_path, group)
+    constants = shared_constants(constants_path, group, device=batch_device(train_batch))
     log.info("tuner: constants ready after %.1f s", time.perf_counter() - t0)
     rows = predict_all(raw, world, constants, types)
     prune(rows, target)

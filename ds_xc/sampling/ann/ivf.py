@@ -5,7 +5,8 @@ Legend: n rows, d dim, c centroids (nlist).
 ``spherical_kmeans`` trains on at most ``max_points_per_centroid * c`` sampled rows (as
 faiss does; 64 per centroid: the lists only need to be coarse cells), assigning by the largest cosine and re-normalising the means; an empty
 cluster is re-seeded from a random row. ``build_lists`` turns an assignment into the
-CSR layout of ops/hamming.py (ids grouped by list, ascending inside a list).
+CSR layout of ops/hamming.py (ids grouped by list, ascending inside a list). Every step is
+deterministic on the GPU too: no accumulation through atomics (tests/test_determinism.py).
 """
 from __future__ import annotations
 
@@ -49,7 +50,9 @@ def spherical_kmeans(x: torch.Tensor, num_centroids: int, iterations: int, seed:
     cent = x[torch.randperm(n, generator=gen)[:c].to(x.device)].clone()  # (c, d)
     for _ in range(iterations):
         a = assign(x, cent)
-        sums = torch.zeros_like(cent).index_add_(0, a, x)
+        # (c, d) sums per centroid; index_put_ with accumulate sorts the ids on CUDA and sums each run in
+        # order (deterministic), where index_add_ adds with atomics in whatever order the threads run
+        sums = torch.zeros_like(cent).index_put_((a,), x, accumulate=True)
         counts = torch.bincount(a, minlength=c)
         empty = counts == 0
         if bool(empty.any()):

@@ -1,0 +1,102 @@
+"""Deterministic index builds and weight gradients, where torch allows.
+
+On the GPU, float accumulation through atomics (``index_add_``, ``scatter_add_``, ``scatter_reduce``,
+``index_reduce``, ``put_`` with accumulate) sums in whatever order the threads run: two runs of the same
+step differ in the last bits, and the k-means of the ANN index can then assign a row differently. On
+the CPU those ops run serially, so CUDA's nondeterminism cannot be seen there; CudaAtomics below
+records the aten ops of a computation on CPU tensors and names the ones that would use atomics on a
+GPU (``index_put_`` with accumulate=True is the deterministic alternative: CUDA sorts the indices and
+sums each run in order).
+
+* the ANN sampler's index build (spherical k-means, codes, lists) uses none of them (the k-means
+  update used ``index_add_``), on 1 process and on 2 and 3 gloo ranks;
+* two runs give bitwise equal centroids, and bitwise equal losses and weight gradients of an ANN head
+  step on 2 and 3 ranks (CPU), and, on a GPU, of the k-means under
+  ``torch.use_deterministic_algorithms(True)`` (which raises on an op without a deterministic CUDA
+  kernel);
+* where torch does not allow it: the fused softmax's sparse weight gradient (ds_xc/head/softmax.py,
+  ``gw.index_add_`` with repeated targets) is issue 56's other half, not this file's; ``torch.bincount``
+  of integer ids (deterministic: integer atomics commute) is allowed; cuBLAS GEMMs are deterministic for
+  the same shapes, GPU and stream, not across GPU models; Triton's tiles add in a fixed order.
+"""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ds_xc import ClassParallelHead
+from ds_xc.sampling.ann.ivf import spherical_kmeans
+
+ATOMIC_OPS = {"index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_",
+              "index_reduce", "index_reduce_"}
+ANN = {"type": "ann", "sample_rate": 0.3, "code_bits": 32, "nlist": 6, "nprobe": 2, "top_k": 4,
+       "rebuild_interval": 2, "backend": "torch"}
+
+
+class CudaAtomics(TorchDispatchMode):
+    """Records the aten ops of a computation that accumulate floats through atomics on a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.found: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        atomic = name in ATOMIC_OPS or name in ("put", "put_") and kwargs.get(
+            "accumulate", len(args) > 3 and bool(args[3]))
+        if atomic and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+            self.found.append(f"{name} on {args[0].dtype} {tuple(args[0].shape)}")
+        return func(*args, **kwargs)
+
+
+def _points(n=6000, d=16, seed=0):
+    x = torch.randn(n, d, generator=torch.Generator().manual_seed(seed))
+    return torch.nn.functional.normalize(x, dim=1)
+
+
+def test_the_recorder_finds_atomics():  # it must be able to fail
+    x, a = torch.randn(10, 3), torch.tensor([0, 1, 0, 1, 0, 1, 0, 1, 0, 1])
+    with CudaAtomics() as rec:
+        torch.zeros(2, 3).index_add_(0, a, x)
+        torch.zeros(2, 3).index_put_((a,), x, accumulate=True)  # the deterministic alternative
+        torch.zeros(2, 3).scatter_add_(0, a[:, None].expand(10, 3), x)
+    assert [f.split(" ")[0] for f in rec.found] == ["index_add_", "scatter_add_"]
+
+
+def test_kmeans_uses_no_atomics_and_repeats_bitwise():
+    x = _points()
+    with CudaAtomics() as rec:
+        first = spherical_kmeans(x, 32, iterations=5, seed=3)
+    assert rec.found == []
+    assert torch.equal(first, spherical_kmeans(x, 32, iterations=5, seed=3))
+
+
+def _index_and_step(rank, world):
+    """(atomics found in the ANN index build, loss, weight gradient) of one ANN head step."""
+    head = ClassParallelHead(16, 203, loss="cosface", sampler=ANN, seed=4, update="dense")
+    with CudaAtomics() as rec:
+        head.rebuild_index()
+    g = torch.Generator().manual_seed(10 + rank)
+    x, y = torch.randn(7 + rank, 16, generator=g), torch.randint(0, 203, (7 + rank,), generator=g)
+    loss = head(x, y)
+    loss.backward()
+    return rec.found, loss.item(), head.weight.grad.clone()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ann_index_build_and_step_are_deterministic_on_ranks(pools, world):
+    first, again = pools(world).run(_index_and_step), pools(world).run(_index_and_step)
+    for (found, loss, grad), (_, loss2, grad2) in zip(first, again):
+        assert found == []
+        assert loss == loss2 and torch.equal(grad, grad2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_kmeans_on_a_gpu_is_deterministic():
+    x = _points(200_000, 64).cuda()  # 64 rows per centroid on average: many repeated targets
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [spherical_kmeans(x, 4096, iterations=4, seed=1) for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert torch.equal(runs[0], runs[1])
