@@ -19,8 +19,8 @@ TOLERANCE = {"float32": 2e-4, "bfloat16": 3e-2}  # relative error of loss and gr
 # the fused Triton softmax in bf16 against the PyTorch path in fp32: 2.3e-3 measured on an H200
 # (benchmarks/results/gpu_check_run3.md); about twice that is allowed, so a real regression fails
 TILES_TOLERANCE = 5e-3
-# budget_s: no new timed configuration starts past it; train_s: the main job's limit (whole check < 7 min)
-FULL_SIZES = {"batch": 1024, "steps": 5, "warmup": 2, "budget_s": 150.0, "train_s": 230, "tests_s": 180}
+# budget_s: no new timed configuration starts past it; train_s: the main job's limit (whole check < 8 min: DEADLINE_S)
+FULL_SIZES = {"batch": 1024, "steps": 5, "warmup": 2, "budget_s": 60.0, "train_s": 200, "tests_s": 150}
 DRY_SIZES = {"batch": 64, "steps": 2, "warmup": 1, "budget_s": 180.0}
 
 
@@ -198,8 +198,7 @@ def _tile_configs(dry: bool) -> list:
     rows = [("default (gpu_tiles: native 128x128x64 w8 s3)", gpu_tiles(torch.bfloat16, sms)),
             ("fp32 upcast 64x64x32 tf32 w4", TileConfig(block_m=64, block_n=64, block_d=32, splits=2 * sms,
                                                         precision="tf32", num_warps=4, native_dot=False))]
-    for bm, bn, bd, warps, stages in ((64, 64, 32, 4, None), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3),
-                                      (128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (64, 64, 128, 4, 2)):
+    for bm, bn, bd, warps, stages in ((64, 128, 64, 4, 3), (128, 128, 32, 8, 4)):  # the runners-up of run 3
         rows.append((f"native {bm}x{bn}x{bd} w{warps} s{stages or '-'}",
                      TileConfig(block_m=bm, block_n=bn, block_d=bd, splits=2 * sms, precision="tf32",
                                 num_warps=warps, native_dot=True, num_stages=stages)))
