@@ -148,7 +148,7 @@ def test_assemble_takes_candidates_in_rank_order():
     assert out.index.tolist() == sorted([9, 30, 5, 7, 1])  # the positives, then the first 3 distinct candidates
     assert out.stats.read() == {"active": 5, "positives": 2, "retrieved": 5, "kept": 3, "cut": 2, "fill": 0}
     assert out.index[out.targets].tolist() == [9, 30]
-    assert set(out.core[out.core_mask].tolist()) == {9, 30, 5, 7, 1}
+    assert set(out.core.tolist()) == {9, 30, 5, 7, 1}  # C = 5: exactly the positives and the kept
     out = assemble(torch.tensor([0]), torch.ones(1, dtype=torch.bool), 40, 20, fill, cand.t().reshape(-1))
     assert out.index.numel() == 20 and out.index.unique().numel() == 20 and out.stats.read()["fill"] == 13
     assert set([0, 5, 7, 1, 9, 2, 3]) <= set(out.index.tolist())

@@ -14,8 +14,12 @@ sums each run in order).
   step on 2 and 3 ranks (CPU), and, on a GPU, of the k-means under
   ``torch.use_deterministic_algorithms(True)`` (which raises on an op without a deterministic CUDA
   kernel);
-* where torch does not allow it: the fused softmax's sparse weight gradient (ds_xc/head/softmax.py,
-  ``gw.index_add_`` with repeated targets) is issue 56's other half, not this file's; ``torch.bincount``
+* the head's whole training step (every sampler, loss and update mode: forward, backward, optimizer
+  step) adds floats through no atomics at repeated indices: the fused softmax sums the target terms of
+  rows sharing a class with ``index_put_(accumulate=True)`` (it used ``index_add_``), the gathered active
+  rows are distinct (an ``index_add_`` over distinct rows has nothing to race: ConflictingAtomics below);
+  two runs give bitwise equal weight gradients, and on a GPU two runs of a step with repeated targets do;
+* where torch does not allow it: ``torch.bincount``
   of integer ids (deterministic: integer atomics commute) is allowed; cuBLAS GEMMs are deterministic for
   the same shapes, GPU and stream, not across GPU models; Triton's tiles add in a fixed order.
 """
@@ -47,6 +51,17 @@ class CudaAtomics(TorchDispatchMode):
         if atomic and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
             self.found.append(f"{name} on {args[0].dtype} {tuple(args[0].shape)}")
         return func(*args, **kwargs)
+
+
+class ConflictingAtomics(CudaAtomics):
+    """Only the atomic adds whose indices repeat: what makes a GPU's sums depend on the threads' order."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in ("index_add", "index_add_") and isinstance(args[2], torch.Tensor) and \
+                torch.unique(args[2]).numel() == args[2].numel():
+            return func(*args, **(kwargs or {}))  # distinct rows: each added once, no race
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 def _points(n=6000, d=16, seed=0):
@@ -89,6 +104,50 @@ def test_ann_index_build_and_step_are_deterministic_on_ranks(pools, world):
     for (found, loss, grad), (_, loss2, grad2) in zip(first, again):
         assert found == []
         assert loss == loss2 and torch.equal(grad, grad2)
+
+
+HEAD_SAMPLERS = {"full": {"type": "full"}, "uniform": {"type": "uniform", "sample_rate": 0.3},
+                 "knn": {"type": "knn", "sample_rate": 0.3, "neighbors": 4}, "ann": ANN}
+
+
+def _head_step(sampler, loss, update, device="cpu", seed=0):
+    from ds_xc.head import build_head_optimizer
+    head = ClassParallelHead(16, 203, loss=loss, sampler=HEAD_SAMPLERS[sampler], seed=4, update=update, device=device)
+    opt = build_head_optimizer(head, {"type": "sgd", "lr": 0.1, "momentum": 0.9})
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(40, 16, generator=g).to(device).requires_grad_()
+    y = torch.randint(0, 30, (40,), generator=g).to(device)  # 40 rows over 30 classes: repeated targets
+    loss_value = head(x, y)
+    loss_value.backward()
+    grad = head.weight.grad.to_dense().clone() if head.weight.grad.is_sparse else head.weight.grad.clone()
+    opt.step()
+    return loss_value.detach(), grad, x.grad.clone(), head.weight.detach().clone()
+
+
+@pytest.mark.parametrize("sampler", list(HEAD_SAMPLERS))
+@pytest.mark.parametrize("loss", ["softmax", "arcface"])
+@pytest.mark.parametrize("update", ["auto", "lazy", "dense"])
+def test_the_head_step_adds_through_no_conflicting_atomics(sampler, loss, update):
+    with ConflictingAtomics() as rec:
+        first = _head_step(sampler, loss, update)
+    assert rec.found == [], rec.found
+    for a, b in zip(first, _head_step(sampler, loss, update)):
+        assert torch.equal(a, b)
+
+
+def test_the_conflict_recorder_can_fail():
+    with ConflictingAtomics() as rec:
+        torch.zeros(3, 2).index_add_(0, torch.tensor([0, 2]), torch.ones(2, 2))  # distinct: no race
+        torch.zeros(3, 2).index_add_(0, torch.tensor([1, 1]), torch.ones(2, 2))  # repeated: a race on a GPU
+    assert [f.split(" ")[0] for f in rec.found] == ["index_add_"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("sampler", list(HEAD_SAMPLERS))
+def test_the_head_step_on_a_gpu_repeats_bitwise(sampler):
+    runs = [_head_step(sampler, "arcface", "auto", device="cuda") for _ in range(2)]
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

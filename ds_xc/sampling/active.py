@@ -71,8 +71,7 @@ class Assembled:
     index: torch.Tensor  # (K,) sorted local ids
     targets: torch.Tensor  # (N,) column of each row's class in index, -1 elsewhere
     stats: Stats
-    core: Optional[torch.Tensor] = None  # (C,) local ids: positives and kept candidates first, then fill
-    core_mask: Optional[torch.Tensor] = None  # (C,) bool: which entries of core are positives or kept
+    core: Optional[torch.Tensor] = None  # (C,) local ids: every positive and kept candidate, then other winners
 
 
 def _slots(local: torch.Tensor, mine: torch.Tensor, num_local: int) -> torch.Tensor:
@@ -86,8 +85,8 @@ def assemble(local: torch.Tensor, mine: torch.Tensor, num_local: int, size: int,
     """The active set of K = ``size`` classes (see the module docstring).
 
     local (N,) the rows' labels minus the shard's first class, mine (N,) whether on this shard;
-    candidates (E,) local ids in priority order (-1: none) or None; ``core`` > 0 also returns the
-    first ``core`` winners (positives and kept candidates, then fill) and their mask.
+    candidates (E,) local ids in priority order (-1: none) or None; ``core`` > 0 also returns ``core``
+    winners that include every positive and kept candidate (:func:`_core`).
     """
     device = local.device
     slots = _slots(local, mine, num_local)  # (N,)
@@ -103,14 +102,24 @@ def assemble(local: torch.Tensor, mine: torch.Tensor, num_local: int, size: int,
             return int(torch.unique(slots[slots < num_local]).numel())
         counts = {"active": size, "positives": distinct, "retrieved": 0, "kept": 0, "cut": 0,
                   "fill": lambda: size - distinct()}
-    top = torch.topk(scores[:num_local], size, sorted=core > 0)  # (K,) winners, ranked when the core is asked
+    top = torch.topk(scores[:num_local], size, sorted=False)  # (K,) winners
     index = top.indices.sort().values  # (K,)
     column = torch.full((num_local + 1,), -1, dtype=torch.int64, device=device)  # (L+1,) class -> column
     column.index_copy_(0, index, torch.arange(size, device=device))
     out = Assembled(index=index, targets=column.index_select(0, slots), stats=Stats(**counts))
     if core > 0:
-        out.core, out.core_mask = top.indices[:core], top.values[:core] >= KEPT
+        out.core = _core(top, core)
     return out
+
+
+def _core(top, core: int) -> torch.Tensor:
+    """(C,) ids holding every positive and kept candidate among the winners (scores >= KEPT), first, in
+    a static size: their places by a running count (no sort), the rest of the C slots other winners."""
+    keep = top.values >= KEPT  # (K,)
+    out = torch.empty(core + 1, dtype=torch.int64, device=keep.device)  # slot C: a sink for the others
+    out[:core] = top.indices[:core]
+    out.scatter_(0, torch.where(keep, torch.cumsum(keep, 0) - 1, core), top.indices)
+    return out[:core]
 
 
 def _keep_candidates(scores: torch.Tensor, candidates: torch.Tensor, num_local: int, size: int,
