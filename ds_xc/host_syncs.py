@@ -16,13 +16,16 @@ What counts as a host sync (``kind``):
 - ``item``: ``aten._local_scalar_dense`` (``.item()``, ``int()``, ``float()``, ``bool()``, ``if t:``);
 - ``dynamic``: ops whose output shape depends on values: ``nonzero``, the ``unique`` family,
   ``masked_select``, indexing or index assignment with a boolean mask, ``repeat_interleave``
-  without ``output_size``, ``bincount``;
+  without ``output_size``, ``bincount``, a sparse tensor's ``coalesce``;
 - ``host_read``: ``Tensor.tolist``, ``Tensor.cpu``, ``Tensor.numpy`` (they do not dispatch on CPU
   tensors, so they are wrapped while counting);
 - ``host_data``: a tensor made from Python data (``torch.tensor([...])``, ``aten.lift_fresh``): on a
   GPU a blocking host-to-device copy, which waits for the stream.
 
-Every other op that is neither a view, an allocation nor a metadata op counts as one launch. A
+Every other op that is neither a view, an allocation nor a metadata op counts as one launch. One blind
+spot: under a dispatch mode torch's gradient accumulation keeps a sparse gradient's coalesced mark, which
+an ordinary step drops (a coalesce would then follow); tests/test_step_counts.py checks that case in
+ordinary steps. A
 CPU-only native kernel called through pybind is invisible except for the aten ops it calls; the
 benchmark and the test count with the CPU kernels that replace PyTorch code off (``native_off``),
 so that the counted code is the code a GPU runs.
@@ -58,7 +61,7 @@ def is_host_side(t: torch.Tensor) -> bool:
 
 _ITEM = {"_local_scalar_dense"}
 _DYNAMIC = {"nonzero", "_unique", "_unique2", "unique_dim", "unique_consecutive", "unique_dim_consecutive",
-            "masked_select", "bincount", "argwhere"}
+            "masked_select", "bincount", "argwhere", "coalesce", "_coalesce"}  # a sparse coalesce: sort + unique
 _FREE = {"detach", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "set_", "size",
          "stride", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "alias", "is_same_size",
          "_has_compatible_shallow_copy_type", "is_coalesced", "_indices", "_values", "indices", "values",

@@ -247,6 +247,14 @@ class ClassParallelHead(nn.Module):
         self._unchecked_bad.add_(bad)  # in place: the count of a captured step's replays adds up too
         return loss + torch.where(bad > 0, float("nan"), 0.0).to(loss.dtype)
 
+    def active_rows(self) -> Optional[torch.Tensor]:
+        """The last step's active rows (K,), sorted and distinct, when one gather made the weight's
+        gradient (one sample group; None otherwise): the head optimizer uses such a gradient as it is."""
+        active = self.last_active
+        if active is None or active.bounds is not None or not isinstance(active.index, torch.Tensor):
+            return None
+        return active.index
+
     # ------------------------------------------------------------------ captured steps (ds_xc/head/graphs.py)
     def host_work_due(self) -> bool:
         """Whether the next training forward does host work a replayed CUDA graph cannot: a full input

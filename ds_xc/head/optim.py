@@ -56,20 +56,26 @@ __all__ = ["HeadSGD", "HeadAdamW", "build_head_optimizer", "resolved_update"]
 _BLOCK = 1 << 15  # rows per block of a dense step and of the gathered rows of a lazy step
 
 
-def _rows(p: torch.Tensor, lazy: bool):
+def _rows(p: torch.Tensor, lazy: bool, sorted_rows=None):
     """(row ids (R,) or None for all rows, gradient rows (R, d) or the dense gradient).
 
-    The head's gather marks its row-sparse gradient coalesced (its rows are the sampler's sorted,
-    distinct active set), so a step reads it as it is: no sort, no host sync. A gradient not known
-    to be coalesced (summed over several gathers: sample groups, accumulation) is coalesced here,
-    which costs a host sync on a GPU."""
+    A row-sparse gradient whose rows are sorted and distinct is read as it is: no sort, no host sync.
+    It is known to be so when it is marked coalesced, or when its row ids are the very tensor
+    ``sorted_rows()`` returns (the head's last active set: its gather builds the gradient on those ids,
+    and torch's gradient accumulation keeps them but drops the coalesced mark). Any other (summed over
+    several gathers: sample groups, accumulation) is coalesced here, a host sync on a GPU."""
     g = p.grad
     if not g.is_sparse:
         return None, g
     if not lazy or g.sparse_dim() != 1:  # dense semantics, or element-wise COO: densify
         return None, g.to_dense()
-    if not g.is_coalesced():
-        g = g.coalesce()
+    if g.is_coalesced():
+        return g.indices()[0], g.values()
+    rows = g._indices()[0]
+    known = sorted_rows() if sorted_rows is not None else None
+    if known is not None and known.numel() == rows.numel() and known.data_ptr() == rows.data_ptr():
+        return rows, g._values()  # the head's own sorted, distinct active rows
+    g = g.coalesce()
     return g.indices()[0], g.values()
 
 
@@ -127,6 +133,10 @@ class _HeadOptimizer(ExactLazyMixin, Optimizer):
         self.bf16_update, self.seed = bf16_update, int(seed)
         self._gen = None
         self._step_counts = WeakIdKeyDictionary()  # parameter -> its step count on the host (AdamW)
+
+    # Set by build_head_optimizer: returns the head's last active rows (sorted, distinct) or None, so that a
+    # gradient built on them is used as it is (_rows)
+    sorted_rows = None
 
     # ------------------------------------------------------------------ captured steps (ds_xc/head/graphs.py)
     def _lr(self, index: int, group: dict, device):
@@ -274,7 +284,7 @@ class HeadSGD(_HeadOptimizer):
                 if p.grad is None:
                     continue
                 lr = self._lr(index, group, p.device)  # a float, or a device tensor (graphed)
-                rows, g = _rows(p, group["lazy"])
+                rows, g = _rows(p, group["lazy"], self.sorted_rows)
                 buf = None
                 if mu:
                     state = self.state[p]
@@ -382,7 +392,7 @@ class HeadAdamW(_HeadOptimizer):
                 if p.grad is None:
                     continue
                 lr = self._lr(index, group, p.device)  # a float, or a device tensor (graphed)
-                rows, g = _rows(p, group["lazy"])
+                rows, g = _rows(p, group["lazy"], self.sorted_rows)
                 state = self.state[p]
                 if "step" not in state:
                     state["step"] = host_side(torch.zeros((), dtype=torch.float32))  # on the CPU, as torch keeps it
@@ -475,6 +485,8 @@ def build_head_optimizer(head, section) -> Optimizer:
         opt = HeadAdamW([head.weight], lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
                         lazy=lazy, exact=exact, **bf16)
     replicas = getattr(head, "replicas", None)
+    if hasattr(head, "active_rows"):  # its gathers' gradients are on its active rows: no coalesce needed
+        opt.sorted_rows = head.active_rows
     if exact and hasattr(head, "lazy_catch_up"):  # the head catches rows up before it reads them
         head.lazy_catch_up = opt.catch_up
         # its gradient rows are its forward's active rows, caught up there (not with replicas: see there)
