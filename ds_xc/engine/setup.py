@@ -216,13 +216,12 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
     flag_group = copy_subgroups(dp_group, backend="gloo")  # its own group: the verdict never queues behind buckets
     if hasattr(scheduler, "bind"):  # AdaptiveLR: rank 0 of the data-parallel group decides (its gloo copy)
         scheduler.bind(flag_group if flag_group is not None else dp_group, engine.train_batch_size())
-    peers = gather_peers(dp_group)
     log.info("ds_xc: engine ready (ZeRO stage %d, bf16=%s), head shard %s", engine.zero_optimization_stage(),
              engine.bfloat16_enabled(), head.extra_repr())
-    head_graph = _head_graph(head, head_optimizer, engine, head_cfg) if head_cfg.cuda_graphs else None
     xc = XCEngine(engine=engine, head=head, head_optimizer=head_optimizer, config=xc_config,
                   lr_scheduler=scheduler, base_lr=base_lr, compression=compression, schedule=schedule,
-                  grad_reducer=reducer, flag_group=flag_group, peers=peers, head_graph=head_graph)
+                  grad_reducer=reducer, flag_group=flag_group, peers=gather_peers(dp_group),
+                  head_graph=_head_graph(head, head_optimizer, engine, head_cfg) if head_cfg.cuda_graphs else None)
     _mark_phase(xc, engine, "allreduce_gradients", "gradient reduction")  # DeepSpeed's, inside engine.backward
     _mark_phase(xc, head.sampler, "rebuild", "index rebuild")  # ANN index / kNN graph, inside the forward
     return xc
