@@ -233,6 +233,27 @@ def test_knn_graph_exact_and_ann():
     assert recall > 0.8
 
 
+def test_exact_knn_graph_in_bounded_tiles():
+    """The similarity tiles of an exact graph build stay under tile_bytes (issue 56: 4,096 x L float32 was
+    16 GB at L = 10^6), with the same graph as one tile."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Tiles(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket.__name__ == "mm":
+                Tiles.largest = max(Tiles.largest, out.numel() * out.element_size())
+            return out
+
+    w = clustered(300, 16)
+    with Tiles():
+        tiled = knn_graph_exact(w, 5, tile_bytes=40 * 300 * 4)  # 40 rows of 300 similarities per tile
+    assert 0 < Tiles.largest <= 40 * 300 * 4
+    assert torch.equal(tiled, knn_graph_exact(w, 5))
+
+
 def test_knn_sampler_takes_neighbours_of_positives():
     w = clustered(200, 16)
     g = knn_graph_exact(w, 4)

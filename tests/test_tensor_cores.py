@@ -59,6 +59,8 @@ def test_16_bit_weights_take_16_bit_gemms_with_float32_results(loss, dtype):
     assert len(gemms) == 3 * 4, rec.seen  # per chunk: the logits, M @ w, and M^T @ x (4 chunks of 16 rows)
     for op, dtypes, _ in gemms:
         assert ".dtype" in op and all(d == dtype for d in dtypes[-2:]), (op, dtypes)
+    # the logits are written straight into the float32 scratch (no second (n, K) buffer, issue 56)
+    assert [op for op, _, shapes in gemms if shapes[1] == (D, K)] == ["aten.mm.dtype_out"] * 4, gemms
     assert gx.dtype == torch.float32 and gw.dtype == torch.float32
 
 
