@@ -6,7 +6,9 @@ step differ in the last bits, and the k-means of the ANN index can then assign a
 the CPU those ops run serially, so CUDA's nondeterminism cannot be seen there; CudaAtomics below
 records the aten ops of a computation on CPU tensors and names the ones that would use atomics on a
 GPU (``index_put_`` with accumulate=True is the deterministic alternative: CUDA sorts the indices and
-sums each run in order).
+sums each run in order; on a CPU it is index_add_ that is serial, and index_put_'s accumulation uses
+parallel atomics, so ds_xc_ops.accumulate.add_rows_ picks by device: the recordings below run with the
+GPU's pick, the bitwise repeats with the CPU's).
 
 * the ANN sampler's index build (spherical k-means, codes, lists) uses none of them (the k-means
   update used ``index_add_``), on 1 process and on 2 and 3 gloo ranks;
@@ -78,19 +80,41 @@ def test_the_recorder_finds_atomics():  # it must be able to fail
     assert [f.split(" ")[0] for f in rec.found] == ["index_add_", "scatter_add_"]
 
 
-def test_kmeans_uses_no_atomics_and_repeats_bitwise():
+def test_kmeans_uses_no_atomics_and_repeats_bitwise(monkeypatch):
+    from ds_xc_ops import accumulate
     x = _points()
+    first = spherical_kmeans(x, 32, iterations=5, seed=3)
+    assert torch.equal(first, spherical_kmeans(x, 32, iterations=5, seed=3))  # the CPU's serial sums
+    monkeypatch.setattr(accumulate, "SORTED_DEVICES", accumulate.SORTED_DEVICES + ("cpu",))
     with CudaAtomics() as rec:
-        first = spherical_kmeans(x, 32, iterations=5, seed=3)
+        spherical_kmeans(x, 32, iterations=5, seed=3)  # the ops a GPU runs
     assert rec.found == []
-    assert torch.equal(first, spherical_kmeans(x, 32, iterations=5, seed=3))
+
+
+def test_add_rows_picks_the_deterministic_op_per_device():
+    from ds_xc_ops.accumulate import add_rows_
+    g = torch.Generator().manual_seed(0)
+    x, a = torch.randn(20000, 64, generator=g), torch.randint(0, 5, (20000,), generator=g)
+    runs = [add_rows_(torch.zeros(5, 64), a, x) for _ in range(5)]  # two threads and more: still equal
+    assert all(torch.equal(r, runs[0]) for r in runs)
+    torch.testing.assert_close(runs[0], torch.zeros(5, 64, dtype=torch.float64).index_add_(0, a, x.double()).float(),
+                               rtol=1e-4, atol=1e-3)  # 4,000 float32 terms a row
+    with CudaAtomics() as rec:
+        add_rows_(torch.zeros(5, 64, device="meta"), a.to("meta"), x.to("meta"))  # a GPU's choice
+    assert rec.found == []
 
 
 def _index_and_step(rank, world):
-    """(atomics found in the ANN index build, loss, weight gradient) of one ANN head step."""
+    """(atomics found in the ANN index build as a GPU runs it, loss, weight gradient) of one ANN head step."""
+    from ds_xc_ops import accumulate
     head = ClassParallelHead(16, 203, loss="cosface", sampler=ANN, seed=4, update="dense")
-    with CudaAtomics() as rec:
-        head.rebuild_index()
+    sorted_devices, accumulate.SORTED_DEVICES = accumulate.SORTED_DEVICES, accumulate.SORTED_DEVICES + ("cpu",)
+    try:
+        with CudaAtomics() as rec:
+            head.rebuild_index()
+    finally:
+        accumulate.SORTED_DEVICES = sorted_devices
+    head.rebuild_index()  # the index the step uses: built with the CPU's serial sums
     g = torch.Generator().manual_seed(10 + rank)
     x, y = torch.randn(7 + rank, 16, generator=g), torch.randint(0, 203, (7 + rank,), generator=g)
     loss = head(x, y)
@@ -127,12 +151,15 @@ def _head_step(sampler, loss, update, device="cpu", seed=0):
 @pytest.mark.parametrize("sampler", list(HEAD_SAMPLERS))
 @pytest.mark.parametrize("loss", ["softmax", "arcface"])
 @pytest.mark.parametrize("update", ["auto", "lazy", "dense"])
-def test_the_head_step_adds_through_no_conflicting_atomics(sampler, loss, update):
-    with ConflictingAtomics() as rec:
-        first = _head_step(sampler, loss, update)
-    assert rec.found == [], rec.found
-    for a, b in zip(first, _head_step(sampler, loss, update)):
+def test_the_head_step_adds_through_no_conflicting_atomics(sampler, loss, update, monkeypatch):
+    first = _head_step(sampler, loss, update)
+    for a, b in zip(first, _head_step(sampler, loss, update)):  # bitwise, with the CPU's serial sums
         assert torch.equal(a, b)
+    from ds_xc_ops import accumulate
+    monkeypatch.setattr(accumulate, "SORTED_DEVICES", accumulate.SORTED_DEVICES + ("cpu",))
+    with ConflictingAtomics() as rec:  # the ops a GPU runs
+        _head_step(sampler, loss, update)
+    assert rec.found == [], rec.found
 
 
 def test_the_conflict_recorder_can_fail():

@@ -28,6 +28,7 @@ import torch
 from ds_xc.head.margins import TargetLoss
 from ds_xc.parallel import collectives
 from ds_xc.parallel.groups import group_size, is_distributed
+from ds_xc_ops.accumulate import add_rows_
 from ds_xc_ops.matmul import addmm_f32_, mm_f32, tensor_cores
 from ds_xc_ops.softmax_rows import exp_rows_
 
@@ -357,10 +358,9 @@ def _run_chunks(xw, w, rw, targets, loss: TargetLoss, red: Reducer, step: int, b
 
 
 def _add_rows(gw: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor) -> None:
-    """gw[cols[i]] += rows[i], summing repeated columns deterministically: ``index_put_`` with
-    ``accumulate=True`` sorts the columns on a GPU (index_add_ would race with atomics) and runs in
-    order on a CPU, where the sums are those of index_add_."""
-    gw.index_put_((cols,), rows, accumulate=True)
+    """gw[cols[i]] += rows[i], summing repeated columns deterministically on every device
+    (ds_xc_ops.accumulate: sorted on a GPU, serial on a CPU)."""
+    add_rows_(gw, cols, rows)
 
 
 class _ShardedMarginLoss(torch.autograd.Function):

@@ -14,6 +14,8 @@ import logging
 
 import torch
 
+from ds_xc_ops.accumulate import add_rows_
+
 __all__ = ["spherical_kmeans", "kmeans_sample", "assign", "build_lists"]
 
 MAX_POINTS_PER_CENTROID = 64
@@ -50,9 +52,9 @@ def spherical_kmeans(x: torch.Tensor, num_centroids: int, iterations: int, seed:
     cent = x[torch.randperm(n, generator=gen)[:c].to(x.device)].clone()  # (c, d)
     for _ in range(iterations):
         a = assign(x, cent)
-        # (c, d) sums per centroid; index_put_ with accumulate sorts the ids on CUDA and sums each run in
-        # order (deterministic), where index_add_ adds with atomics in whatever order the threads run
-        sums = torch.zeros_like(cent).index_put_((a,), x, accumulate=True)
+        # (c, d) sums per centroid, deterministic on every device (ds_xc_ops.accumulate: sorted on a GPU,
+        # serial on a CPU, where index_put_'s accumulation uses parallel atomics)
+        sums = add_rows_(torch.zeros_like(cent), a, x)
         counts = torch.bincount(a, minlength=c)
         empty = counts == 0
         if bool(empty.any()):
