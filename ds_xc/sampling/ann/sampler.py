@@ -204,8 +204,8 @@ class AnnSampler(Sampler):
         scan, rerank, k = self.budgets()
         if rerank:
             cand = self.index.search(queries, self.config.nprobe, rerank, scan)  # (N, rerank)
-            if self.before_read is not None:  # lazy_exact: the re-ranked rows, current (repeats are harmless)
-                self.read_rows(cand.clamp_min(0).reshape(-1))
+            if self.before_read is not None:  # lazy_exact: the re-ranked rows, current (repeats are harmless;
+                self.read_rows(cand.clamp_min(0).reshape(-1).sort().values)  # in row order: 40 -> 24 ms on a CPU)
             return exact_cosine_rerank(queries, weight, cand, k, metric=self.metric)
         return self.index.search(queries, self.config.nprobe, k, scan)
 
