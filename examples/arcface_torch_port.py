@@ -119,6 +119,8 @@ def main():
     data = build_dataset("synthetic", args.num_classes, seed=args.seed)
     torch.manual_seed(args.seed)  # the same backbone on every rank
     backbone = Backbone(data.input_dim, args.embedding_size)
+    if args.fp16:  # DeepSpeed's bf16 casts the parameters; the BatchNorm statistics too, here
+        backbone.to(torch.bfloat16)
     if args.optimizer == "sgd":
         opt = torch.optim.SGD(backbone.parameters(), lr=args.lr, momentum=args.momentum,
                               weight_decay=args.weight_decay)
@@ -161,6 +163,7 @@ def main():
             losses = []
             for micro in range(args.gradient_acc):
                 x, y = data.train_batch(global_step * args.gradient_acc + micro, args.batch_size, rank, world)
+                x = x.to(torch.bfloat16) if args.fp16 else x  # DeepSpeed's bf16 backbone takes bf16 inputs
                 losses.append(float(xc.forward_backward(x, y)))
                 xc.step()  # at the accumulation boundary: the head (lr following the schedule), then DeepSpeed
             global_step += 1
@@ -179,7 +182,8 @@ def main():
         if args.max_steps and global_step >= args.max_steps:
             break
     xc.eval()
-    res = evaluate_topk(xc.engine, xc.head, data.eval_batches(args.batch_size, rank, world, 2048),
+    embed = (lambda x: xc.engine(x.to(torch.bfloat16))) if args.fp16 else xc.engine
+    res = evaluate_topk(embed, xc.head, data.eval_batches(args.batch_size, rank, world, 2048),
                         device=xc.engine.device)
     if record["loss"]:
         say(f"loss {record['loss'][0]:.4f} -> {record['loss'][-1]:.4f} over {len(record['loss'])} steps; "
