@@ -163,6 +163,7 @@ def main():
             losses = []
             for micro in range(args.gradient_acc):
                 x, y = data.train_batch(global_step * args.gradient_acc + micro, args.batch_size, rank, world)
+                x, y = x.to(xc.engine.device), y.to(xc.engine.device)  # the rank's GPU under a GPU launcher
                 x = x.to(torch.bfloat16) if args.fp16 else x  # DeepSpeed's bf16 backbone takes bf16 inputs
                 losses.append(float(xc.forward_backward(x, y)))
                 xc.step()  # at the accumulation boundary: the head (lr following the schedule), then DeepSpeed
