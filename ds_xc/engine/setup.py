@@ -182,7 +182,7 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
         args=args, model=model, model_parameters=model_parameters, optimizer=optimizer,
         lr_scheduler=lr_scheduler, config=None if use_args_config else ds_raw, **ds_kwargs)
     attach_partition_layouts(engine, optimizer)  # ZeRO 1/2: the layers' places in the flat partitions
-    base_lr = _follow_engine_reference(engine, scheduler, xc_config)
+    base_lr = _follow_engine_reference(engine, scheduler, xc_config, engine_group(engine))
     head = ClassParallelHead.from_config(xc_config.extreme_classification, group=head_group,
                                          device=engine.device)
     head_optimizer = build_head_optimizer(head, xc_config.extreme_classification.optimizer)
@@ -221,13 +221,13 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
     return xc
 
 
-def _follow_engine_reference(engine, scheduler, xc_config) -> Optional[float]:
+def _follow_engine_reference(engine, scheduler, xc_config, group) -> Optional[float]:
     """``lr_schedule: follow_engine``: the engine's lr at initialize (the reference when there is no
-    scheduler), after checking on every rank that the scheduler gives a reference lr
-    (ds_xc/engine/lr_follow.py; a ConfigError on every rank otherwise)."""
+    scheduler), after checking on every rank of ``group`` (the engine's data-parallel group) that the
+    scheduler gives a reference lr (ds_xc/engine/lr_follow.py; a ConfigError on every rank otherwise)."""
     lr = float(engine.get_lr()[0]) if engine.get_lr() else None
     if xc_config.extreme_classification.optimizer.lr_schedule == "follow_engine":
-        with all_or_none("checking the lr scheduler the head follows", dist.group.WORLD):
+        with all_or_none("checking the lr scheduler the head follows", group):
             ref = check_follow_engine(scheduler, lr)
         log.info("ds_xc: the head's lr follows the engine's: %s x engine lr / %.6g (%s)",
                  xc_config.extreme_classification.optimizer.lr, ref, reference_lr(scheduler, lr)[1])
