@@ -140,6 +140,11 @@ def main():
     }
     world = int(os.environ.get("WORLD_SIZE", "1"))  # the launcher's; ds_xc.initialize starts the group
     steps_per_epoch = args.num_image // (args.batch_size * world * args.gradient_acc)  # optimizer steps
+    if steps_per_epoch < 1 or not 0 <= args.warmup_epoch < args.num_epoch:  # every rank alike, before a collective
+        raise SystemExit(f"--num_image={args.num_image} // (--batch_size={args.batch_size} x {world} ranks x "
+                         f"--gradient_acc={args.gradient_acc}) = {steps_per_epoch} steps per epoch, --warmup_epoch="
+                         f"{args.warmup_epoch}, --num_epoch={args.num_epoch}: need >= 1 step per epoch and "
+                         "0 <= warmup_epoch < num_epoch")
     warmup_step, total_step = steps_per_epoch * args.warmup_epoch, steps_per_epoch * args.num_epoch
     scheduler = PolynomialWarmup(opt, warmup_step, total_step, args.power)
     xc = ds_xc.initialize(model=backbone, optimizer=opt, lr_scheduler=scheduler, config=config)
