@@ -222,8 +222,11 @@ class HeadOptimizerConfig(_Section):
         "AdamW 14 B: the float32 trajectory, more memory than float32); plain: round to nearest, all "
         "states bf16 (updates below half a bf16 ulp are lost). See docs/head.md (bf16 head).")
     lr_schedule: Literal["follow_engine", "constant"] = Field(
-        "follow_engine", description="follow_engine scales the head lr by the engine scheduler's "
-        "lr / its initial lr; constant keeps lr.")
+        "follow_engine", description="follow_engine: before each head step, head lr = lr * the engine's lr of "
+        "this step / the schedule's reference lr (a torch scheduler's base_lrs, DeepSpeed WarmupLR's "
+        "warmup_max_lr, WarmupCosineLR's optimizer lr; without a scheduler the engine's lr at initialize), so "
+        "lr is the head's lr at the schedule's peak; a scheduler without one is refused at initialize (see "
+        "docs/optimizers.md, 'The head's learning rate'). constant keeps lr.")
 
     @field_validator("betas")
     @classmethod

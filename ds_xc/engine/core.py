@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ds_xc import config as cfg
 from ds_xc.engine.checkpointing import load_engine_checkpoint, save_engine_checkpoint
+from ds_xc.engine.lr_follow import check_follow_engine
 from ds_xc.head import ClassParallelHead
 from ds_xc.manifest import raise_if_disk_full
 from ds_xc.parallel.groups import comm_device, is_distributed
@@ -64,7 +65,7 @@ class XCEngine:
     head_optimizer: torch.optim.Optimizer
     config: cfg.XCConfig
     lr_scheduler: Any = None
-    base_lr: Optional[float] = None
+    base_lr: Optional[float] = None  # the engine's lr at initialize: the head's reference without a scheduler
     compression: Any = None  # the CompressedOptimizer reducing the backbone, when configured
     schedule: Any = None  # ds_xc.overlap.ChunkedHeadSchedule, when extreme_classification.overlap.enabled
     head_graph: Any = None  # ds_xc.head.graphs.HeadStepGraph, when extreme_classification.cuda_graphs
@@ -196,10 +197,12 @@ class XCEngine:
             end_micro_step(self)
 
     def _follow_engine_lr(self) -> None:
-        """``lr_schedule: follow_engine``: the head's lr is its configured lr times the engine's lr ratio."""
+        """``lr_schedule: follow_engine``: the head's lr is its configured lr times the engine's lr of this
+        step over the schedule's reference lr (ds_xc/engine/lr_follow.py; read at every step, so that a
+        resumed scheduler's restored ``base_lrs`` count)."""
         head_cfg = self.config.extreme_classification.optimizer
-        if head_cfg.lr_schedule == "follow_engine" and self.base_lr:
-            ratio = self.engine.get_lr()[0] / self.base_lr
+        if head_cfg.lr_schedule == "follow_engine":
+            ratio = float(self.engine.get_lr()[0]) / check_follow_engine(self.lr_scheduler, self.base_lr)
             for group in self.head_optimizer.param_groups:
                 group["lr"] = head_cfg.lr * ratio
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from ds_xc import config as cfg
 from ds_xc.config_schedule import check_no_scheduler_clash
 from ds_xc.engine.core import XCEngine
+from ds_xc.engine.lr_follow import check_follow_engine, reference_lr
 from ds_xc.engine.reduction import (check_sparse_rows, compression_nodes, plan_head_collectives, plan_reduction,
                                    row_sparse_params, take_over_reduction)
 from ds_xc.head import ClassParallelHead, build_head_optimizer
@@ -118,13 +119,6 @@ def init_distributed(timeout_s: float = 1800.0) -> torch.device:
     return device
 
 
-def _base_lr(raw: dict, optimizer) -> Optional[float]:
-    if optimizer is not None and hasattr(optimizer, "param_groups"):
-        return float(optimizer.param_groups[0]["lr"])
-    lr = raw.get("optimizer", {}).get("params", {}).get("lr")
-    return float(lr) if lr else None
-
-
 
 def _agreed_config(raw: dict, head_group) -> cfg.XCConfig:
     """Validate the config on every rank, check that every rank has the same one, and that each
@@ -176,7 +170,6 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
         model_parameters = [p for p in model.parameters() if p.requires_grad]
     model_parameters = list(model_parameters)
     optimizer, ds_raw = build_backbone_optimizer(raw, model_parameters, optimizer)  # Lamb / LARS: ours or FusedLamb
-    base_lr = _base_lr(raw, optimizer)
     adaptive = xc_config.adaptive_lr
     if adaptive is not None and adaptive.enabled:  # DeepSpeed builds it around its optimizer, then steps it
         from ds_xc.engine.adaptive_lr import adaptive_lr_factory
@@ -189,6 +182,7 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
         args=args, model=model, model_parameters=model_parameters, optimizer=optimizer,
         lr_scheduler=lr_scheduler, config=None if use_args_config else ds_raw, **ds_kwargs)
     attach_partition_layouts(engine, optimizer)  # ZeRO 1/2: the layers' places in the flat partitions
+    base_lr = _follow_engine_reference(engine, scheduler, xc_config, engine_group(engine))
     head = ClassParallelHead.from_config(xc_config.extreme_classification, group=head_group,
                                          device=engine.device)
     head_optimizer = build_head_optimizer(head, xc_config.extreme_classification.optimizer)
@@ -225,6 +219,19 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
     _mark_phase(xc, engine, "allreduce_gradients", "gradient reduction")  # DeepSpeed's, inside engine.backward
     _mark_phase(xc, head.sampler, "rebuild", "index rebuild")  # ANN index / kNN graph, inside the forward
     return xc
+
+
+def _follow_engine_reference(engine, scheduler, xc_config, group) -> Optional[float]:
+    """``lr_schedule: follow_engine``: the engine's lr at initialize (the reference when there is no
+    scheduler), after checking on every rank of ``group`` (the engine's data-parallel group) that the
+    scheduler gives a reference lr (ds_xc/engine/lr_follow.py; a ConfigError on every rank otherwise)."""
+    lr = float(engine.get_lr()[0]) if engine.get_lr() else None
+    if xc_config.extreme_classification.optimizer.lr_schedule == "follow_engine":
+        with all_or_none("checking the lr scheduler the head follows", group):
+            ref = check_follow_engine(scheduler, lr)
+        log.info("ds_xc: the head's lr follows the engine's: %s x engine lr / %.6g (%s)",
+                 xc_config.extreme_classification.optimizer.lr, ref, reference_lr(scheduler, lr)[1])
+    return lr
 
 
 def _head_graph(head, head_optimizer, engine, head_cfg):
