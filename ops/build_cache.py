@@ -152,13 +152,17 @@ def exclusive_build(name: str, what: str, wait_s: float | None = None, stale_s: 
     folder = build_folder(name)
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, OWN_LOCK)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fd, writable = os.open(path, os.O_RDWR | os.O_CREAT, 0o666), True
+    except PermissionError:  # another user's file in a shared cache: a read-only descriptor locks as well
+        fd, writable = os.open(path, os.O_RDONLY), False
     try:
         held = _acquire(fd, path, folder, what, wait_s)
         if held:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()} since "
-                          f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+            if writable:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()} since "
+                              f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
             _remove_stale_torch_lock(folder, what)
         else:
             _wait_for_torch_lock(folder, what, stale_s)
