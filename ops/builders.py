@@ -108,9 +108,9 @@ class _DsXcOp:
         builder waited for with messages) and saying once, before it compiles, that it does."""
         with exclusive_build(self.name, f"C++ op {self.NAME}") as folder:
             if not is_built(self.name):
-                logger.warning("building ds_xc's C++ ops: %s (once, about %d s) into %s; later runs load it from "
+                logger.warning("building ds_xc's C++ ops (once, about %d s): %s into %s; later runs load it from "
                                "there. Build ahead of a job with: python -m ds_xc_ops.build",
-                               self.NAME, self.BUILD_S, folder)
+                               self.BUILD_S, self.NAME, folder)
             return super().jit_load(verbose)
 
 
