@@ -122,6 +122,7 @@ def test_rank_without_master_addr_names_the_missing_variables(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     with pytest.raises(LaunchEnvError) as info:
         init_distributed(timeout_s=5)  # the old code went on to DeepSpeed's MPI discovery: "No module named 'mpi4py'"
+    assert isinstance(info.value, ConfigError) and isinstance(info.value, RuntimeError)
     msg = str(info.value)
     assert msg.startswith("RANK=1 is set but MASTER_ADDR, MASTER_PORT are not: ") and "MASTER_ADDR: the host" in msg
     assert "MASTER_PORT: a free port" in msg and "unset RANK" in msg

@@ -99,8 +99,9 @@ LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") 
 MPI_RANK_ENV = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")  # an MPI launcher's: DeepSpeed asks MPI instead
 
 
-class LaunchEnvError(RuntimeError):
-    """The launcher variables of a multi-process start are incomplete; the message names the missing ones."""
+class LaunchEnvError(cfg.ConfigError, RuntimeError):
+    """The launcher variables of a multi-process start are incomplete; the message names the missing ones
+    (a ConfigError: bad input found at start, like the config's)."""
 
 
 def check_launch_env(env=None) -> None:
