@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from typing_extensions import Annotated
 
 from ds_xc.config_base import (COMPRESSION_SECTION, HEAD_SECTION, TRAIN_SECTION, ConfigError,  # noqa: F401
-                               Section as _Section, load_raw, validate_section, validation_error)
+                               Section as _Section, load_raw, parse_json, validate_section, validation_error)
 from ds_xc.config_compression import parse_compression
 from ds_xc.config_topology import TopologyConfig
 from ds_xc.config_schedule import ADAPTIVE_LR_SECTION, parse_adaptive_lr
@@ -29,6 +29,7 @@ __all__ = [
     "ConfigError", "LossConfig", "SamplerConfig", "HeadOptimizerConfig", "HeadConfig",
     "TrainConfig", "XCConfig", "parse_config", "parse_loss", "parse_sampler", "HEAD_SECTION", "TRAIN_SECTION",
     "COMPRESSION_SECTION", "validate_section", "validation_error", "load_raw", "UPDATE_MODES", "resolve_update",
+    "XC_SECTIONS", "check_section_names", "parse_json",
 ]
 
 # --------------------------------------------------------------------------- loss
@@ -386,7 +387,10 @@ class TrainConfig(_Section):
                                   "new classes, docs/growing.md); 0 = off.")
     comm_timeout_s: float = Field(1800.0, ge=1.0, le=86400.0, description="Process-group timeout: a collective "
                                   "that waits longer (a peer died or hangs) raises, and every surviving rank "
-                                  "exits naming the lost peer when it can.")
+                                  "exits naming the lost peer when it can. Applies to the world group that "
+                                  "launch/train.py or ds_xc.initialize starts and to every group ds_xc creates; "
+                                  "with a process group you started, to ds_xc's groups only (unset: they take "
+                                  "your world group's timeout).")
 
     @model_validator(mode="after")
     def _check_vocab_sizes(self):
@@ -439,15 +443,37 @@ def parse_sampler(value: Any):
     return validate_section(_SamplerHolder, {"sampler": value}, HEAD_SECTION).sampler
 
 
+XC_SECTIONS = (HEAD_SECTION, TRAIN_SECTION, COMPRESSION_SECTION, ADAPTIVE_LR_SECTION)  # ds_xc's top-level sections
+
+
+def check_section_names(raw: dict) -> None:
+    """Refuse a top-level key that is not a ds_xc section but nearly spells one ("extreme_clasification",
+    "xc-train"): DeepSpeed ignores keys it does not know, so the section's settings would be lost and
+    the error would name a key missing from the real section instead. The ConfigError suggests the
+    section (difflib, case and "-" ignored)."""
+    import difflib
+    for key in raw:
+        if not isinstance(key, str) or key in XC_SECTIONS:
+            continue
+        folded = key.lower().replace("-", "_").replace(" ", "_")
+        close = difflib.get_close_matches(folded, XC_SECTIONS, n=1, cutoff=0.8)
+        if close:
+            raise ConfigError(f"top-level section {key!r} is not a ds_xc section: did you mean {close[0]}? "
+                              f"(ds_xc's sections: {', '.join(XC_SECTIONS)}; DeepSpeed ignores unknown keys, so "
+                              f"its settings would be lost)")
+
+
 def parse_config(config: Union[str, os.PathLike, dict]) -> XCConfig:
     """Validate the ds_xc sections of a whole DeepSpeed config (a dict or a path to the JSON).
 
     Keys that belong to DeepSpeed are left alone; each ds_xc section is validated by its
-    model, and any problem raises :class:`ConfigError` naming the key path.
+    model, and any problem raises :class:`ConfigError` naming the key path. A top-level key
+    that nearly spells a ds_xc section is refused with a suggestion (:func:`check_section_names`).
     """
     raw = load_raw(config)
     if not isinstance(raw, dict):
         raise ConfigError(f"the config must be a JSON object, got {type(raw).__name__}")
+    check_section_names(raw)
     sections: dict[str, Any] = {}
     if HEAD_SECTION in raw:
         sections[HEAD_SECTION] = validate_section(HeadConfig, raw[HEAD_SECTION], HEAD_SECTION)

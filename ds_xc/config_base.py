@@ -13,7 +13,7 @@ from typing import Any, Union
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 __all__ = ["HEAD_SECTION", "TRAIN_SECTION", "COMPRESSION_SECTION", "ConfigError", "Section", "validation_error",
-           "validate_section", "load_raw"]
+           "validate_section", "load_raw", "parse_json"]
 
 HEAD_SECTION = "extreme_classification"
 TRAIN_SECTION = "xc_train"
@@ -86,8 +86,42 @@ def validate_section(model: type[BaseModel], value: Any, prefix: str) -> BaseMod
         raise validation_error(exc, prefix) from None
 
 
+class _Pairs(list):
+    """One JSON object's (key, value) pairs in file order, as the parser met them (duplicates kept)."""
+
+
+def _no_duplicates(value: Any, path: str, found: list) -> Any:
+    """``value`` with every ``_Pairs`` turned into a dict; each key met twice in one object is appended
+    to ``found`` as its key path (``a.b[2].c``)."""
+    if isinstance(value, _Pairs):
+        out: dict = {}
+        for key, item in value:
+            where = f"{path}.{key}" if path else str(key)
+            if key in out and where not in found:
+                found.append(where)
+            out[key] = _no_duplicates(item, where, found)
+        return out
+    if isinstance(value, list):
+        return [_no_duplicates(item, f"{path}[{i}]", found) for i, item in enumerate(value)]
+    return value
+
+
+def parse_json(text: str, source: str, loads=json.loads) -> Any:
+    """``text`` parsed as JSON (or by ``loads``, e.g. ``hjson.loads``), refusing a key that appears twice in
+    one object at any depth: the json module would keep the last value silently. The ConfigError names
+    ``source`` and each duplicated key's path."""
+    found: list = []
+    value = _no_duplicates(loads(text, object_pairs_hook=_Pairs), "", found)
+    if found:
+        keys = ", ".join(repr(k) for k in found)
+        raise ConfigError(f"{source}: duplicate key{'s' if len(found) > 1 else ''} {keys}: the same key appears "
+                          "more than once in one object, and JSON readers keep only its last value; keep one")
+    return value
+
+
 def load_raw(config: Union[str, os.PathLike, dict]) -> dict:
-    """The whole config as a dict: ``config`` itself, or the JSON (or hjson) file it names."""
+    """The whole config as a dict: ``config`` itself, or the JSON (or hjson) file it names (a key that appears
+    twice in one of its objects is refused: :func:`parse_json`)."""
     if isinstance(config, dict):
         return config
     if not isinstance(config, (str, os.PathLike)):
@@ -101,11 +135,13 @@ def load_raw(config: Union[str, os.PathLike, dict]) -> dict:
     if not text.strip():  # hjson reads "" as {}: an empty file (or one being written) is refused, not "no sections"
         raise ConfigError(f"config file {path!r} is empty; expected a JSON object")
     try:
-        raw = json.loads(text)
+        raw = parse_json(text, f"config file {path!r}")
     except json.JSONDecodeError:
         try:  # DeepSpeed accepts hjson (comments); so do we when hjson is installed
             import hjson
-            raw = hjson.loads(text)  # an object comes back as a dict subclass; anything else is refused below
+            raw = parse_json(text, f"config file {path!r}", hjson.loads)  # anything but an object is refused below
+        except ConfigError:
+            raise
         except ImportError:
             raise ConfigError(f"config file {path!r} is not valid JSON") from None
         except Exception as exc:  # hjson error: report file and reason

@@ -62,7 +62,10 @@ def render() -> str:
            "Generated from the pydantic models in `ds_xc/config.py`, `ds_xc/config_compression.py` and `ds_xc/config_schedule.py` by `python launch/config_docs.py`;",
            "a test fails when this page and the models disagree. Every section lives at the top level",
            "of the DeepSpeed JSON next to DeepSpeed's own keys. Unknown keys are errors, and an error",
-           "names the key path, the value and what is allowed.", ""]
+           "names the key path, the value and what is allowed. A key that appears twice in one object of",
+           "a config file (any depth; JSON readers keep the last silently) is an error naming its path, and",
+           "a top-level key that nearly spells a ds_xc section (`extreme_clasification`, `xc-train`) is an",
+           "error that suggests the section (DeepSpeed ignores keys it does not know).", ""]
     out += ["## extreme_classification", ""] + model_table(cfg.HeadConfig, "extreme_classification")
     out += ["`loss` is one of the following, chosen by `type`:", ""]
     for m in (cfg.SoftmaxLoss, cfg.CosFaceLoss, cfg.ArcFaceLoss, cfg.CombinedLoss, cfg.DSoftmaxLoss):

@@ -25,6 +25,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 import ds_xc  # noqa: E402
+from ds_xc.config import ConfigError, parse_json  # noqa: E402
 from ds_xc.cost import process_memory  # noqa: E402
 from ds_xc.data import build_task_data  # noqa: E402
 from ds_xc.engine import describe_comm_failure, init_distributed, is_comm_failure, load_raw_config  # noqa: E402
@@ -63,9 +64,11 @@ def apply_override(raw: dict, item: str) -> None:
     if not sep or not key:
         raise SystemExit(f"--set expects KEY.PATH=VALUE, got {item!r}")
     try:
-        parsed = json.loads(value)
+        parsed = parse_json(value, f"--set {key}")  # a key given twice in the value is refused
     except json.JSONDecodeError:
         parsed = value
+    except ConfigError as exc:
+        raise SystemExit(str(exc)) from None
     node = raw
     parts = key.split(".")
     for part in parts[:-1]:

@@ -3,7 +3,10 @@
     python -m ds_xc_ops.build            # every C++ CPU op, and the CUDA op when CUDA is available
     python -m ds_xc_ops.build --verbose  # show the compiler commands
 
-Later processes then only load the cached library. Exits 1 if a requested op fails.
+The way to build ahead of a job (a setup step, an image): later processes then only load the cached
+library, and no training process compiles (or waits for another's compile). Each op builds into its
+own folder of the torch extensions cache, named per install and source (ds_xc_ops.build_cache).
+Exits 1 if a requested op fails.
 """
 from __future__ import annotations
 

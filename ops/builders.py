@@ -12,6 +12,12 @@ A later process finds the cached build and only loads it (well under a second); 
 rebuilds when a source or flag changes. The sources are found next to this file, so an
 editable install and a wheel that ships ops/csrc/ both work.
 
+Each op's name (so its build folder) carries a short hash of its sources, headers, flags, install
+folder and torch (``ds_xc_ops.build_cache.op_name``): two checkouts or versions never share or rebuild
+each other's builds. A build holds the folder exclusively (``build_cache.exclusive_build``): a lock
+that a killed build left is removed with a warning, a process waiting for a live build says for whom,
+and a build that is about to compile says so once, with its expected duration.
+
 ``load_op(kind)`` is what the Python API calls: it builds at most once per process and,
 when the build fails, logs one warning and returns None so the caller falls back to the
 PyTorch implementation.
@@ -27,8 +33,10 @@ import time
 
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder, OpBuilder
 
+from ds_xc_ops.build_cache import build_folder, exclusive_build, is_built, op_name
+
 __all__ = ["HammingBuilder", "HammingCudaBuilder", "RowsBuilder", "SoftmaxBuilder", "SelectBuilder", "load_op",
-           "BUILDERS", "CSRC", "plain_arch_list", "plain_arch_lists_for_deepspeed"]
+           "BUILDERS", "CSRC", "plain_arch_list", "plain_arch_lists_for_deepspeed", "included_headers"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,14 +60,38 @@ def _header_flags(*headers: str) -> list:
     return flags
 
 
+def included_headers(sources) -> list:
+    """The ops/csrc/ headers that ``sources`` include (``#include "x.h"``), transitively, sorted."""
+    seen, todo = set(), list(sources)
+    while todo:
+        with open(todo.pop()) as fh:
+            for name in re.findall(r'^\s*#\s*include\s+"([^"]+)"', fh.read(), flags=re.M):
+                path = os.path.join(CSRC, name)
+                if path not in seen and os.path.isfile(path):
+                    seen.add(path)
+                    todo.append(path)
+    return sorted(seen)
+
+
 class _DsXcOp:
-    """What every ds_xc op builder shares (mixed in before DeepSpeed's builder class): the name
-    ``NAME``, the module it installs as (``ds_xc_ops.<NAME>_op``) and the headers in ops/csrc/."""
+    """What every ds_xc op builder shares (mixed in before DeepSpeed's builder class): the base name
+    ``NAME``, the build name ``self.name`` (``NAME`` and a hash of the sources, headers, flags and
+    install: :func:`ds_xc_ops.build_cache.op_name`), the module it installs as
+    (``ds_xc_ops.<NAME>_op``), the headers in ops/csrc/, and a JIT build that holds its folder
+    exclusively and announces itself (:meth:`jit_load`). ``BUILD_S``: about how long a build takes
+    (seconds, measured on 2 shared CPU cores), quoted in the message."""
 
     NAME = ""
+    BUILD_S = 30
 
     def __init__(self):
         super().__init__(name=self.NAME)
+        self.name = op_name(self.NAME, self.sources() + included_headers(self.sources()), self.hashed_flags(),
+                            CSRC)
+
+    def hashed_flags(self) -> list:
+        """The flags that go into the build name (the C++ compiler's)."""
+        return list(self.cxx_args())
 
     def absolute_name(self):
         return f"ds_xc_ops.{self.NAME}_op"
@@ -67,11 +99,26 @@ class _DsXcOp:
     def include_paths(self):
         return [CSRC]
 
+    def build_folder(self) -> str:
+        """Where torch builds (and caches) this op."""
+        return build_folder(self.name)
+
+    def jit_load(self, verbose=True):
+        """DeepSpeed's JIT build, holding the build folder (a killed build's lock is removed, a live
+        builder waited for with messages) and saying once, before it compiles, that it does."""
+        with exclusive_build(self.name, f"C++ op {self.NAME}") as folder:
+            if not is_built(self.name):
+                logger.warning("building ds_xc's C++ ops (once, about %d s): %s into %s; later runs load it from "
+                               "there. Build ahead of a job with: python -m ds_xc_ops.build",
+                               self.BUILD_S, self.NAME, folder)
+            return super().jit_load(verbose)
+
 
 class HammingBuilder(_DsXcOp, OpBuilder):
     """C++ CPU kernel: OpenMP over queries, 64/32-bit popcount, bucket top-k selection."""
 
     NAME = "ds_xc_hamming_cpu"
+    BUILD_S = 40
 
     def sources(self):
         return [os.path.join(CSRC, "hamming_cpu.cpp"), os.path.join(CSRC, "pack_cpu.cpp")]
@@ -141,6 +188,7 @@ class HammingCudaBuilder(_DsXcOp, CUDAOpBuilder):
     """CUDA kernel: one thread block per query, shared-memory histogram + radix select."""
 
     NAME = "ds_xc_hamming_cuda"
+    BUILD_S = 90
 
     def sources(self):
         return [os.path.join(CSRC, "hamming_cuda_binding.cpp"),
@@ -162,6 +210,7 @@ class RowsBuilder(_DsXcOp, OpBuilder):
     (at::parallel_for over rows)."""
 
     NAME = "ds_xc_rows_cpu"
+    BUILD_S = 25
 
     def sources(self):
         return [os.path.join(CSRC, "rows_cpu.cpp")]  # includes rows_body.h and cpu_simd.h
@@ -176,6 +225,7 @@ class SoftmaxBuilder(_DsXcOp, OpBuilder):
     scratch in two passes (AVX-512 polynomial exp, checked at run time; a scalar fallback)."""
 
     NAME = "ds_xc_softmax_cpu"
+    BUILD_S = 30
 
     def sources(self):
         return [os.path.join(CSRC, "softmax_cpu.cpp")]
@@ -189,6 +239,7 @@ class SelectBuilder(_DsXcOp, OpBuilder):
     (AVX-512 compares, checked at run time; a scalar fallback)."""
 
     NAME = "ds_xc_select_cpu"
+    BUILD_S = 30
 
     def sources(self):
         return [os.path.join(CSRC, "select_cpu.cpp")]

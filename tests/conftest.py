@@ -61,8 +61,8 @@ def pytest_sessionstart(session):
     """Build (or load from the torch extensions cache) the C++ ops once, before any test: the first
     lazy head step, Hamming scan or compressed selection would otherwise compile them inside a timed
     distributed test.
-    Concurrent sessions (xdist workers) wait on torch's lock file; a failed build only logs (the
-    tests of ds_xc_ops then fail where they need the op)."""
+    Concurrent sessions (xdist workers) wait for the one building (ds_xc_ops.build_cache.exclusive_build);
+    a failed build only logs (the tests of ds_xc_ops then fail where they need the op)."""
     from ds_xc_ops import builders
     for kind in ("cpu", "rows", "select"):
         builders.load_op(kind)

@@ -112,6 +112,8 @@ def test_init_distributed_binds_before_torch_distributed_starts(monkeypatch):
     host = _Host(monkeypatch)
     monkeypatch.setenv("LOCAL_RANK", "7")
     monkeypatch.setenv("RANK", "7")
+    for name, value in (("WORLD_SIZE", "8"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value)  # a launcher's whole set (ds_xc refuses RANK without them)
     seen = []
     monkeypatch.setattr(deepspeed, "init_distributed", lambda **kw: seen.append(torch.cuda.current_device()))
     monkeypatch.setattr(groups, "_COMM_TIMEOUT_S", [None])

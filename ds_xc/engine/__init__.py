@@ -11,10 +11,10 @@ scale the head's gradient too, and is refused at start.
 ``setup.py``          initialize, init_distributed, config checks and the ranks' agreement on it
 """
 from ds_xc.engine.core import PHASES, XCEngine
-from ds_xc.engine.setup import (check_supported, cpu_friendly_deepspeed, init_distributed,
-                                initialize, load_raw_config)
+from ds_xc.engine.setup import (LaunchEnvError, check_launch_env, check_supported, cpu_friendly_deepspeed,
+                                init_distributed, initialize, load_raw_config)
 from ds_xc.peers import describe_comm_failure, gather_peers, is_comm_failure, lost_peers, stopped_peers
 
 __all__ = ["initialize", "init_distributed", "XCEngine", "check_supported", "load_raw_config", "gather_peers",
            "lost_peers", "stopped_peers", "describe_comm_failure", "is_comm_failure", "PHASES",
-           "cpu_friendly_deepspeed"]
+           "cpu_friendly_deepspeed", "check_launch_env", "LaunchEnvError"]

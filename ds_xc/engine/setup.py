@@ -28,13 +28,14 @@ from ds_xc.head import ClassParallelHead, build_head_optimizer
 from ds_xc.optim.deepspeed import attach_partition_layouts, build_backbone_optimizer, check_backbone_optimizer
 from ds_xc.parallel.agree import agree, all_or_none
 from ds_xc.parallel.device import bind_device
-from ds_xc.parallel.groups import copy_subgroups, group_size, resolve_group, set_comm_timeout
+from ds_xc.parallel.groups import (comm_timeout, copy_subgroups, group_size, group_timeout, resolve_group,
+                                  set_comm_timeout, world_rank_and_size)
 from ds_xc.peers import gather_peers
 
 log = logging.getLogger(__name__)
 
 __all__ = ["initialize", "init_distributed", "check_supported", "load_raw_config", "cpu_friendly_deepspeed",
-           "engine_group"]
+           "engine_group", "check_launch_env", "LaunchEnvError", "LAUNCH_ENV"]
 
 
 def load_raw_config(config=None, args=None) -> dict:
@@ -56,7 +57,8 @@ def _raw_section(raw: dict, name: str) -> dict:
 
 
 def check_supported(raw: dict) -> None:
-    """Refuse, at start, combinations the head cannot train correctly."""
+    """Refuse, at start, combinations the head cannot train correctly (and a misspelt ds_xc section)."""
+    cfg.check_section_names(raw)  # "did you mean extreme_classification?" before "no such section"
     for name in ("fp16", "bf16", "zero_optimization", cfg.COMPRESSION_SECTION, cfg.HEAD_SECTION):
         _raw_section(raw, name)  # DeepSpeed's own sections too: not an object is refused here, by name
     if _raw_section(raw, "fp16").get("enabled", False):
@@ -94,6 +96,35 @@ def cpu_friendly_deepspeed():
     return deepspeed
 
 
+LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # what an env:// start reads
+MPI_RANK_ENV = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")  # an MPI launcher's: DeepSpeed asks MPI instead
+
+
+class LaunchEnvError(cfg.ConfigError, RuntimeError):
+    """The launcher variables of a multi-process start are incomplete; the message names the missing ones
+    (a ConfigError: bad input found at start, like the config's)."""
+
+
+def check_launch_env(env=None) -> None:
+    """With ``RANK`` set (a launcher's start) every variable of :data:`LAUNCH_ENV` must be set too.
+
+    DeepSpeed's ``init_distributed`` takes a start with any of them missing for an MPI job and asks
+    mpi4py for them ("No module named 'mpi4py'" when it is not installed, a wrong world when it is);
+    this names the missing variables and what to set, first. Under an MPI launcher (its rank variable
+    set, :data:`MPI_RANK_ENV`) DeepSpeed's own discovery runs."""
+    env = os.environ if env is None else env
+    if "RANK" not in env or any(name in env for name in MPI_RANK_ENV):
+        return
+    missing = [name for name in LAUNCH_ENV if name not in env]
+    if missing:
+        raise LaunchEnvError(
+            f"RANK={env['RANK']} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: "
+            f"a multi-process start reads {', '.join(LAUNCH_ENV)} (the deepspeed and torchrun launchers set them "
+            "all). Set the missing ones (MASTER_ADDR: the host of rank 0, e.g. 127.0.0.1 on one machine; "
+            "MASTER_PORT: a free port, e.g. 29500; WORLD_SIZE: the number of processes; LOCAL_RANK: the rank "
+            "on this machine), start with a launcher, or unset RANK to run one process")
+
+
 def init_distributed(timeout_s: float = 1800.0) -> torch.device:
     """Bind this rank's device, then start torch.distributed the way DeepSpeed does (gloo on CPU, NCCL
     on GPU); returns the rank's device.
@@ -102,10 +133,15 @@ def init_distributed(timeout_s: float = 1800.0) -> torch.device:
     no collective of any rank of a host lands on cuda:0 (the data barrier of launch/train.py, the
     agreement of ``initialize`` and everything of launch/grow.py and tune.py run before DeepSpeed's
     engine would bind it). When torch.distributed is running already it only binds. Without
-    launcher variables (a plain ``python train.py``) it starts a one-process group.
+    launcher variables (a plain ``python train.py``) it starts a one-process group; with ``RANK`` but
+    not every other launcher variable it raises :class:`LaunchEnvError` naming the missing ones
+    (:func:`check_launch_env`). ``timeout_s`` is the process groups' timeout: the world's and, through
+    ``ds_xc.parallel.groups.set_comm_timeout``, every group ds_xc creates.
     """
     import datetime
     import socket
+    if not dist.is_initialized():  # a group started by the caller (tcp://, a file) needs no launcher variables
+        check_launch_env()
     if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -139,6 +175,42 @@ def _agreed_config(raw: dict, head_group) -> cfg.XCConfig:
     return xc_config
 
 
+def _start_distributed(raw: dict) -> bool:
+    """Start torch.distributed for ``initialize`` unless it runs (True when started here): after refusing a bad
+    config, with ``xc_train.comm_timeout_s`` (default 1800 s) for the world and every group ds_xc creates. A
+    plain ``python script.py`` becomes a one-process group; under a launcher, the job's."""
+    if dist.is_initialized():
+        return False
+    check_supported(raw)
+    init_distributed(timeout_s=cfg.parse_config(raw).xc_train.comm_timeout_s)
+    return True
+
+
+def _timeout_for_callers_group(train: cfg.TrainConfig) -> None:
+    """The timeout of the groups ds_xc creates when the caller started torch.distributed: the config's
+    ``xc_train.comm_timeout_s`` where it sets one, else the caller's world group's timeout (torch would
+    give a new group 30 minutes), else (a backend that does not tell it) whatever was set before.
+
+    The caller's own groups keep their timeout: a warning says so when the config asks for another."""
+    world = group_timeout(None)
+    rank0 = world_rank_and_size()[0] == 0  # for the messages only
+    if "comm_timeout_s" in train.model_fields_set:
+        seconds = train.comm_timeout_s
+        if world is not None and abs(world - seconds) > 1e-3 and rank0:
+            log.warning("xc_train.comm_timeout_s=%g s applies to the process groups ds_xc creates; the world group "
+                        "you started keeps its %g s (pass timeout= to torch.distributed.init_process_group, or let "
+                        "ds_xc.initialize start it)", seconds, world)
+    elif world is not None:
+        seconds = world
+    else:
+        if rank0:
+            log.info("the timeout of your process group is not known: ds_xc's own groups get %s (set "
+                     "xc_train.comm_timeout_s to choose)", "torch's default (30 minutes for gloo)" if
+                     comm_timeout() is None else f"{comm_timeout():g} s")
+        return
+    set_comm_timeout(seconds)
+
+
 def initialize(args=None, model: torch.nn.Module = None, config=None, model_parameters=None,
                optimizer=None, lr_scheduler=None, head_group=None, **ds_kwargs) -> XCEngine:
     """Build the DeepSpeed engine for ``model`` (the backbone), the head and its optimizer.
@@ -155,20 +227,20 @@ def initialize(args=None, model: torch.nn.Module = None, config=None, model_para
     (``ds_xc.parallel.groups.copy_subgroups``). The backbone's reduction (compression,
     buckets), the verdict, the checkpoint agreement and the peers use the engine's own
     data-parallel group (:func:`engine_group`), passed explicitly.
+    Timeouts: ``xc_train.comm_timeout_s`` where initialize starts torch.distributed
+    (:func:`_start_distributed`); with the caller's group, see :func:`_timeout_for_callers_group`.
     """
     raw = load_raw_config(config, args)
     check_no_scheduler_clash(raw, lr_scheduler)
     deepspeed = cpu_friendly_deepspeed()
-    if not dist.is_initialized():  # single process so far: refuse a bad config before starting a group
-        check_supported(raw)
-        cfg.parse_config(raw)
-        init_distributed()  # a plain `python script.py` becomes a one-process group
+    started_here = _start_distributed(raw)
     bind_device()  # cuda:LOCAL_RANK before the agreement's collectives (DeepSpeed binds only in its engine)
     head_group = resolve_group(head_group)  # None: the world, named explicitly
     xc_config = _agreed_config(raw, head_group)
-    if model_parameters is None:
-        model_parameters = [p for p in model.parameters() if p.requires_grad]
-    model_parameters = list(model_parameters)
+    if not started_here:
+        _timeout_for_callers_group(xc_config.xc_train)  # before ds_xc creates its groups (copy_subgroups below)
+    model_parameters = list([p for p in model.parameters() if p.requires_grad] if model_parameters is None
+                            else model_parameters)
     optimizer, ds_raw = build_backbone_optimizer(raw, model_parameters, optimizer)  # Lamb / LARS: ours or FusedLamb
     adaptive = xc_config.adaptive_lr
     if adaptive is not None and adaptive.enabled:  # DeepSpeed builds it around its optimizer, then steps it

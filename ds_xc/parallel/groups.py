@@ -81,8 +81,33 @@ def set_comm_timeout(seconds: Optional[float]) -> None:
 
     torch gives a new group its own default (30 minutes for gloo), not the timeout the world
     group was started with, so a stopped peer would hold a collective on it that long.
-    ``ds_xc.engine.init_distributed`` calls this; call it yourself if you start torch.distributed."""
+    ``ds_xc.engine.init_distributed`` calls this, and ``ds_xc.initialize`` with a group you started
+    (``xc_train.comm_timeout_s`` when the config sets it, else your world group's timeout); call it
+    yourself if you start torch.distributed and build ds_xc's components without ``initialize``."""
     _COMM_TIMEOUT_S[0] = None if seconds is None else float(seconds)
+
+
+def comm_timeout() -> Optional[float]:
+    """The timeout (seconds) the groups ds_xc creates get (:func:`set_comm_timeout`); None: torch's default."""
+    return _COMM_TIMEOUT_S[0]
+
+
+def group_timeout(group: ProcessGroup = None) -> Optional[float]:
+    """The timeout (seconds) ``group`` (None: the world) was created with, or None where torch does not
+    tell it (no torch.distributed; a backend without options). torch has no public getter: this reads
+    the options of the group's backend for the CPU, else CUDA (``_get_backend(device).options``)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    pg = resolve_group(group)
+    for device in ("cpu", "cuda"):
+        try:
+            timeout = pg._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+        seconds = getattr(timeout, "total_seconds", None)
+        if seconds is not None:
+            return float(seconds())
+    return None
 
 
 def new_group(ranks=None, backend=None):
