@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 
 from ds_xc.head.margins import TargetLoss
+from ds_xc.head.row_terms import DEFAULT_TERMS, RowTerms
 from ds_xc_ops.triton_util import device_guard, interpreting
 from ds_xc.head.softmax import Reducer, finish_weight_grad, inverse_row_norms, merge_row_stats
 
@@ -204,31 +205,45 @@ def _prepare(x, w, targets, loss: TargetLoss, rw) -> _Rows:
                  float(loss.scale) if loss.normalised else 1.0)
 
 
-def _combine(m_loc, l_loc, r: _Rows, loss: TargetLoss, red: Reducer):
+def _combine(m_loc, l_loc, r: _Rows, loss: TargetLoss, red: Reducer, terms: RowTerms, zsum):
     """Class-parallel merge of the local row stats, as the PyTorch path: one all-gather of
-    [row max, sum-exp against it, target term], merged by :func:`merge_row_stats`. Returns
-    (rows (N,), lse (N,), gt (N,)): the loss rows, the log partition function and d row / d c
-    at the target."""
+    [row max, sum-exp against it, target term, (smoothing) logit sum], merged by
+    :func:`merge_row_stats`. Returns (weighted rows (N,), lse (N,), lse_k (N,), gt (N,)): the loss
+    rows v_i row_i, the log partition function, the kernel's lse (lse - log(v (1 + 2 z_loss lse)):
+    its exp(z - lse_k) is the weighted gradient) and v_i d row / d c at the target."""
     zero = torch.zeros((), dtype=torch.float32, device=m_loc.device)
     target = r.c_t if loss.separate_target else torch.where(r.has_t, r.zt, zero)
-    local = torch.stack([m_loc, l_loc, target.to(m_loc.dtype)], 1)  # (N, 3)
-    m, sumexp, target = merge_row_stats(red.gather(local).result(), loss.separate_target)
+    cols = [m_loc, l_loc, target.to(m_loc.dtype)] + ([zsum.to(m_loc.dtype)] if terms.smoothing else [])
+    m, sumexp, target, *zs = merge_row_stats(red.gather(torch.stack(cols, 1)).result(), loss.separate_target)
     lse = m + torch.log(sumexp)
-    if loss.separate_target:
-        intra, gt = loss.target_term(target)
-        rows = lse + intra
-    else:
-        rows = lse - target
-        gt = (torch.exp(r.zt - lse) - 1.0) * r.dz_t  # (N,)
+    rows, d_intra = terms.rows(lse, target, zs[0] if zs else None, loss)
+    v = terms.weight
+    rows = terms.record(rows, lse, v)
+    pfac = 1.0 + 2.0 * terms.z_loss * lse if terms.z_loss else torch.ones_like(lse)
+    p_t = None if loss.separate_target else torch.exp(r.zt - lse)
+    gt = terms.target_grad(p_t, pfac, r.dz_t, r.scale, d_intra, loss)
+    if v is not None:
+        gt, pfac = gt * v, pfac * v
     gt = torch.where(r.has_t, gt, zero).float().contiguous()
-    return rows, lse.contiguous(), gt
+    lse_k = torch.where(pfac > 0, lse - torch.log(pfac.clamp_min(1e-30)), float("inf"))
+    return rows, lse.contiguous(), lse_k.float().contiguous(), gt
+
+
+def _logit_sums(x, w, r: _Rows, loss: TargetLoss):
+    """(N,) the sum of this shard's logits per row (the target's with its margin) and (d,) the column
+    sum sum_j rw_j w_j it is made of, in torch: O((N + K) d), no pass over the logits."""
+    wsum = (w.float() * r.rw[:, None]).sum(dim=0)  # (d,)
+    zsum = r.scale * r.rx * (x.float() @ wsum)  # (N,)
+    if not loss.separate_target:  # the target's logit with its margin instead of s c_t
+        zsum = zsum + torch.where(r.has_t, r.zt - r.scale * r.c_t, torch.zeros_like(zsum))
+    return zsum, wsum
 
 
 def triton_fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, loss: TargetLoss,
                                 group=None, chunk_size: int = 0, need_gx: bool = True, need_gw: bool = True,
                                 *, rw: Optional[torch.Tensor] = None, gw: Optional[torch.Tensor] = None,
                                 accumulate: bool = False, finish: bool = True,
-                                tiles: Optional[TileConfig] = None):
+                                tiles: Optional[TileConfig] = None, terms: Optional[RowTerms] = None):
     """Sum of the N loss rows and its gradients, as :func:`ds_xc.head.softmax.fused_loss_and_grads`.
 
     x (N, d) and w (K, d) fp32, bf16 or fp16 (x is cast to a 16-bit w's dtype first, as the PyTorch
@@ -236,8 +251,12 @@ def triton_fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch
     column of each row's class in w, or -1 where it lives on another rank of ``group``.
     Returns (total: fp32 scalar, gx (N, d) fp32 or None, gw (K, d) fp32 or None). ``rw``,
     ``gw``, ``accumulate`` and ``finish`` mean what they mean there; ``tiles`` overrides
-    :func:`default_tiles`. Every rank of ``group`` must call it with the same N.
+    :func:`default_tiles`. Every rank of ``group`` must call it with the same N. ``terms``: the
+    per-row terms (weights, label smoothing, z-loss; softcap is refused by ``resolve_softmax``).
     """
+    terms = DEFAULT_TERMS if terms is None else terms
+    if terms.softcap:
+        raise ValueError("the Triton softmax kernels do not support extreme_classification.loss.softcap")
     _check(x, w, targets, gw, accumulate)
     if w.dtype in (torch.bfloat16, torch.float16) and x.dtype != w.dtype:
         x = x.to(w.dtype)  # as the PyTorch path (x.to(w.dtype)): one 16-bit tile type, on tensor cores
@@ -250,7 +269,10 @@ def triton_fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch
     else:
         m_loc = torch.full((n,), -1.0e30, dtype=torch.float32, device=dev)
         l_loc = torch.zeros(n, dtype=torch.float32, device=dev)
-    rows, lse, gt = _combine(m_loc, l_loc, r, loss, Reducer(group))
+    zsum = wsum = None
+    if terms.smoothing:
+        zsum, wsum = _logit_sums(x, w, r, loss)
+    rows, lse, lse_k, gt = _combine(m_loc, l_loc, r, loss, Reducer(group), terms, zsum)
     total = rows.sum()
     if need_gw and gw is None:
         gw = torch.empty((k, w.shape[1]), dtype=torch.float32, device=dev)  # (K, d)
@@ -260,7 +282,16 @@ def triton_fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch
         return total, None, None
     a = None
     if n and k:
-        a = _gradients(x, w, r.rx, r.rw, r.t32, lse, gt, need_gx, need_gw, gw, tiles, r.scale)  # (N, d)
+        a = _gradients(x, w, r.rx, r.rw, r.t32, lse_k, gt, need_gx, need_gw, gw, tiles, r.scale)  # (N, d)
+    if terms.smoothing:  # the rank-1 term -b_i s rw_j of every entry (the kernel's gt holds the target's rest)
+        b = torch.full_like(lse, terms.smoothing / terms.num_classes)
+        if terms.weight is not None:
+            b = b * terms.weight.float()
+        if need_gx and a is not None:
+            a = a - (r.scale * b)[:, None] * wsum[None, :]
+        if need_gw and n:
+            bx = (b[:, None] * x.float() * r.rx[:, None]).sum(dim=0)  # (d,)
+            gw.addcmul_((r.scale * r.rw)[:, None], bx[None, :], value=-1.0)
     gx = None
     if need_gx:
         gx = a if a is not None else torch.zeros(x.shape, dtype=torch.float32, device=dev)
