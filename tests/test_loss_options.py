@@ -1,0 +1,112 @@
+"""Loss options (issue 57): ignore_index, label_smoothing, z_loss, softcap, reduction, sample weights and
+(B, T) sequences, for every loss, on 1, 2 and 3 gloo ranks == the float64 single-process reference
+(tests/reference.py, option_reference).
+
+17 classes are uneven over 2 and 3 shards; local batches are uneven (one rank has none). Every rank
+checks the value (reduction none: its own rows), its embedding gradient (P x the gradient of the global
+loss with respect to its rows; for none the global loss is sum over ranks of <upstream, rows>), the
+gradient of its weight shard and ``last_lse``.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ds_xc import ClassParallelHead
+from ds_xc.config import ConfigError
+from ds_xc.head import init_shard, shard_range
+from tests.reference import LOSSES, option_reference
+
+C, D, SEED, T = 17, 6, 11, 2
+SIZES = {1: [7], 2: [5, 3], 3: [4, 0, 6]}
+CASES = [  # opts; sample weights; some labels ignored; chunk rows; (B, T) sequences
+    dict(opts={"label_smoothing": 0.1}, weights=True, ignore=True, chunk=3),
+    dict(opts={"z_loss": 0.01, "reduction": "sum", "ignore_index": 3}, weights=False, ignore=True, chunk=0),
+    dict(opts={"reduction": "none", "label_smoothing": 0.2, "z_loss": 0.05}, weights=True, ignore=True, chunk=2,
+         seq=True),
+    dict(opts={"label_smoothing": 0.3, "z_loss": 0.02}, weights=False, ignore=False, chunk=0),
+]
+SOFTCAP_CASES = [
+    dict(opts={"softcap": 2.0, "label_smoothing": 0.1, "reduction": "sum"}, weights=True, ignore=True, chunk=2),
+    dict(opts={"softcap": 1.5, "z_loss": 0.03}, weights=False, ignore=True, chunk=0, seq=True),
+]
+
+
+def local_case(rank, sizes, case, index):
+    """This rank's rows: x (b, d) or (b, T, d), labels, sample weights (or None), upstream of reduction none."""
+    g = torch.Generator().manual_seed(SEED * 1000 + 10 * index + rank)
+    shape = (sizes[rank], T) if case.get("seq") else (sizes[rank],)
+    x = torch.randn(shape + (D,), generator=g, dtype=torch.float64)
+    y = torch.randint(0, C, shape, generator=g)
+    if case["ignore"]:
+        flat = y.view(-1)
+        flat[::3] = case["opts"].get("ignore_index", -100)
+    sw = torch.rand(shape, generator=g, dtype=torch.float64) + 0.5 if case["weights"] else None
+    u = torch.rand(shape, generator=g, dtype=torch.float64) + 0.5
+    return x, y, sw, u
+
+
+def _run_cases(rank, world, loss_cfg, cases, sizes, extra):
+    out = []
+    for i, case in enumerate(cases):
+        head = ClassParallelHead(D, C, loss={**loss_cfg, **case["opts"]}, chunk_size=case["chunk"],
+                                 dtype=torch.float64, init_std=0.5, seed=SEED, **extra)
+        x, y, sw, u = local_case(rank, sizes, case, i)
+        x.requires_grad_()
+        res = head(x, y, sw)
+        (res if res.dim() == 0 else (res * u).sum()).backward()
+        gw = head.weight.grad
+        out.append(dict(value=res.detach(), gx=x.grad, gw=gw.to_dense() if gw.is_sparse else gw, lse=head.last_lse,
+                        start=head.class_start))
+    return out
+
+
+def _check(results, loss_cfg, cases, sizes, replicated=False):
+    world = len(results)
+    w = init_shard(C, D, 0, C, 0.5, SEED, torch.float64)
+    for i, case in enumerate(cases):
+        parts = [local_case(0 if replicated else r, sizes, case, i) for r in range(1 if replicated else world)]
+        x = torch.cat([p[0].reshape(-1, D) for p in parts])
+        y = torch.cat([p[1].reshape(-1) for p in parts])
+        sw = torch.cat([p[2].reshape(-1) for p in parts]) if case["weights"] else None
+        u = torch.cat([p[3].reshape(-1) for p in parts])
+        opts = case["opts"]
+        none = opts.get("reduction") == "none"
+        ref, gx, gw, lse = option_reference(x, w, y, {**loss_cfg}, opts, sw, u if none else None)
+        offset = 0
+        for rank, res in enumerate(results):
+            b = parts[0 if replicated else rank][1].numel()
+            shape = parts[0 if replicated else rank][1].shape
+            mine = slice(offset, offset + b)
+            where = f"case {i} {opts}, rank {rank}/{world}"
+            if none:
+                torch.testing.assert_close(res[i]["value"], ref[mine].reshape(shape), rtol=1e-9, atol=1e-11, msg=lambda m, w=where: f"{w}: {m}")
+            else:
+                assert res[i]["value"].item() == pytest.approx(ref.item(), rel=1e-9), where
+            torch.testing.assert_close(res[i]["lse"], lse[mine].reshape(shape), rtol=1e-9, atol=1e-11, msg=lambda m, w=where: f"{w}: {m}")
+            scale = 1 if replicated else world  # P x d(global loss)/d(own rows); replicated: the full gradient
+            torch.testing.assert_close(res[i]["gx"], (gx[mine] * scale).reshape(shape + (D,)), rtol=1e-7,
+                                       atol=1e-8, msg=lambda m, w=where: f"{w}: {m}")
+            start, num_local = shard_range(C, world, rank)
+            torch.testing.assert_close(res[i]["gw"], gw[start: start + num_local], rtol=1e-7, atol=1e-8, msg=lambda m, w=where: f"{w}: {m}")
+            if not replicated:
+                offset += b
+
+
+def _run(pools, world, loss_cfg, cases, extra=None, sizes=None):
+    sizes = sizes or SIZES[world]
+    if world == 1:
+        return [_run_cases(0, 1, loss_cfg, cases, sizes, extra or {})]
+    return pools(world).run(_run_cases, loss_cfg, cases, sizes, extra or {})
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_options_match_reference(pools, world, name):
+    results = _run(pools, world, LOSSES[name], CASES)
+    _check(results, LOSSES[name], CASES, SIZES[world])
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_softcap_matches_reference(pools, world):
+    results = _run(pools, world, LOSSES["softmax"], SOFTCAP_CASES)
+    _check(results, LOSSES["softmax"], SOFTCAP_CASES, SIZES[world])
