@@ -46,22 +46,37 @@ def local_case(rank, sizes, case, index):
 
 
 def _run_cases(rank, world, loss_cfg, cases, sizes, extra):
+    """Every case on this rank. extra: head keywords, and "classes" (a 2-D layout: class groups of that
+    many ranks, the shard replicated over the rest) or "overlap" (ChunkedHeadSchedule with that many chunks)."""
+    extra = dict(extra)
+    classes, chunks = extra.pop("classes", None), extra.pop("overlap", None)
+    if classes is not None:
+        from ds_xc.parallel.groups import new_groups
+        reps = world // classes
+        extra["group"] = new_groups([[r * classes + c for c in range(classes)] for r in range(reps)])
+        extra["replica_group"] = new_groups([[r * classes + c for r in range(reps)] for c in range(classes)])
     out = []
     for i, case in enumerate(cases):
         head = ClassParallelHead(D, C, loss={**loss_cfg, **case["opts"]}, chunk_size=case["chunk"],
                                  dtype=torch.float64, init_std=0.5, seed=SEED, **extra)
         x, y, sw, u = local_case(rank, sizes, case, i)
         x.requires_grad_()
-        res = head(x, y, sw)
-        (res if res.dim() == 0 else (res * u).sum()).backward()
+        if chunks:
+            from ds_xc.overlap import ChunkedHeadSchedule
+            res = ChunkedHeadSchedule(head, chunks).run(x, y)  # the backbone's backward: x.grad
+        else:
+            res = head(x, y, sw)
+            (res if res.dim() == 0 else (res * u).sum()).backward()
+        head.replicas.reduce_grad_(head.weight)  # 2-D: the shard's gradient summed over its replicas
         gw = head.weight.grad
         out.append(dict(value=res.detach(), gx=x.grad, gw=gw.to_dense() if gw.is_sparse else gw, lse=head.last_lse,
                         start=head.class_start))
     return out
 
 
-def _check(results, loss_cfg, cases, sizes, replicated=False):
+def _check(results, loss_cfg, cases, sizes, replicated=False, classes=None):
     world = len(results)
+    classes = classes or world
     w = init_shard(C, D, 0, C, 0.5, SEED, torch.float64)
     for i, case in enumerate(cases):
         parts = [local_case(0 if replicated else r, sizes, case, i) for r in range(1 if replicated else world)]
@@ -86,7 +101,7 @@ def _check(results, loss_cfg, cases, sizes, replicated=False):
             scale = 1 if replicated else world  # P x d(global loss)/d(own rows); replicated: the full gradient
             torch.testing.assert_close(res[i]["gx"], (gx[mine] * scale).reshape(shape + (D,)), rtol=1e-7,
                                        atol=1e-8, msg=lambda m, w=where: f"{w}: {m}")
-            start, num_local = shard_range(C, world, rank)
+            start, num_local = shard_range(C, classes, rank % classes)
             torch.testing.assert_close(res[i]["gw"], gw[start: start + num_local], rtol=1e-7, atol=1e-8, msg=lambda m, w=where: f"{w}: {m}")
             if not replicated:
                 offset += b
@@ -110,3 +125,32 @@ def test_options_match_reference(pools, world, name):
 def test_softcap_matches_reference(pools, world):
     results = _run(pools, world, LOSSES["softmax"], SOFTCAP_CASES)
     _check(results, LOSSES["softmax"], SOFTCAP_CASES, SIZES[world])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("name", ["softmax", "arcface", "dsoftmax"])
+def test_overlap_schedule_takes_the_options(pools, world, name):
+    cases = [c for c in CASES + (SOFTCAP_CASES if name == "softmax" else [])
+             if c["opts"].get("reduction") != "none" and not c["weights"] and not c.get("seq")]
+    results = _run(pools, world, LOSSES[name], cases, {"overlap": 2})
+    _check(results, LOSSES[name], cases, SIZES[world])
+
+
+@pytest.mark.parametrize("classes", [1, 3])
+@pytest.mark.parametrize("name", ["cosface", "combined"])
+def test_2d_layout_takes_the_options(pools, classes, name):
+    """3 ranks as 1 x 3 (one shard, three replicas: the mean's weight rides in the replica all-reduce) and 3 x 1."""
+    results = _run(pools, 3, LOSSES[name], CASES, {"classes": classes})
+    _check(results, LOSSES[name], CASES, SIZES[3], classes=classes)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("name", ["softmax", "arcface"])
+def test_replicated_input_takes_the_options(pools, world, name):
+    sizes = [SIZES[3][2]] * world  # every rank passes the same rows (rank 0's batch)
+    results = pools(world).run(_run_replicated, LOSSES[name], CASES, sizes)
+    _check(results, LOSSES[name], CASES, sizes, replicated=True)
+
+
+def _run_replicated(rank, world, loss_cfg, cases, sizes):
+    return _run_cases(0, world, loss_cfg, cases, sizes, {"input_parallel": "replicated"})
