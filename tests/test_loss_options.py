@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from ds_xc import ClassParallelHead
 from ds_xc.config import ConfigError
 from ds_xc.head import init_shard, shard_range
-from tests.reference import LOSSES, option_reference
+from tests.reference import LOSSES, option_reference, option_rows
 
 C, D, SEED, T = 17, 6, 11, 2
 SIZES = {1: [7], 2: [5, 3], 3: [4, 0, 6]}
@@ -154,3 +154,99 @@ def test_replicated_input_takes_the_options(pools, world, name):
 
 def _run_replicated(rank, world, loss_cfg, cases, sizes):
     return _run_cases(0, world, loss_cfg, cases, sizes, {"input_parallel": "replicated"})
+
+
+SAMPLED = {
+    "uniform": {"type": "uniform", "sample_rate": 0.3},
+    "ann": {"type": "ann", "sample_rate": 0.25, "code_bits": 32, "nlist": 4, "nprobe": 2, "top_k": 3,
+            "rerank": 6, "groups": 2, "backend": "torch"},
+    "knn": {"type": "knn", "sample_rate": 0.3, "neighbors": 3},
+}
+SAMPLED_CASES = [  # per-row options only: smoothing and z-loss are refused on sampled heads
+    dict(opts={"ignore_index": 3}, weights=True, ignore=True, chunk=3),
+    dict(opts={"reduction": "sum", "softcap": 2.5}, weights=False, ignore=True, chunk=0, softmax_only=True),
+    dict(opts={"reduction": "none"}, weights=True, ignore=True, chunk=2, seq=True),
+]
+
+
+def _run_sampled(rank, world, sampler, loss_cfg, cases, sizes):
+    out = []
+    for i, case in enumerate(cases):
+        head = ClassParallelHead(D, C, loss={**loss_cfg, **case["opts"]}, sampler=sampler, chunk_size=case["chunk"],
+                                 dtype=torch.float64, init_std=0.5, seed=SEED, update="lazy")
+        x, y, sw, u = local_case(rank, sizes, case, i)
+        x.requires_grad_()
+        res = head(x, y, sw)
+        (res if res.dim() == 0 else (res * u).sum()).backward()
+        groups = [(r.start, r.stop, (idx + head.class_start).tolist()) for r, idx in head.last_active.groups()]
+        out.append(dict(value=res.detach(), gx=x.grad, gw=head.weight.grad.to_dense(), lse=head.last_lse,
+                        groups=groups, positives=head.sampler_stats().get("positives")))
+    return out
+
+
+@pytest.mark.parametrize("sampler", sorted(SAMPLED))
+@pytest.mark.parametrize("name", ["softmax", "cosface"])
+def test_sampled_heads_take_the_per_row_options(pools, sampler, name):
+    """The reference scores each row group against the union of the ranks' active sets; rows labelled
+    ignore_index (3: a real class id) add nothing and are nobody's positives."""
+    world, sizes = 2, SIZES[2]
+    cases = [c for c in SAMPLED_CASES if name == "softmax" or not c.get("softmax_only")]
+    res = pools(world).run(_run_sampled, SAMPLED[sampler], LOSSES[name], cases, sizes)
+    w0 = init_shard(C, D, 0, C, 0.5, SEED, torch.float64)
+    for i, case in enumerate(cases):
+        opts = case["opts"]
+        ign = opts.get("ignore_index", -100)
+        parts = [local_case(r, sizes, case, i) for r in range(world)]
+        x = torch.cat([p[0].reshape(-1, D) for p in parts]).requires_grad_()
+        y = torch.cat([p[1].reshape(-1) for p in parts])
+        v = (y != ign).double() * (torch.cat([p[2].reshape(-1) for p in parts]) if case["weights"] else 1.0)
+        u = torch.cat([p[3].reshape(-1) for p in parts])
+        w = w0.clone().requires_grad_()
+        rows, lses = [], []
+        for g, (a, b, _) in enumerate(res[0][i]["groups"]):
+            active = torch.tensor(sorted(set(sum((r[i]["groups"][g][2] for r in res), []))))
+            assert torch.isin(y[a:b][y[a:b] != ign], active).all(), "a positive class was not sampled"
+            remap = torch.full((C,), 0, dtype=torch.int64)
+            remap[active] = torch.arange(active.numel())
+            yg = torch.where(y[a:b] == ign, -100, remap[y[a:b].clamp_min(0)])  # a column may equal ign: -100
+            r_g, l_g = option_rows(x[a:b], w[active], yg, LOSSES[name], {**opts, "ignore_index": -100})
+            rows.append(r_g)
+            lses.append(l_g)
+        rows = torch.cat(rows) * v
+        red = opts.get("reduction", "mean")
+        ref = rows if red == "none" else (rows.sum() / v.sum() if red == "mean" else rows.sum())
+        (ref if red != "none" else (ref * u).sum()).backward()
+        lse = torch.cat(lses).detach()
+        offset = 0
+        for rank, r in enumerate(res):
+            shape = parts[rank][1].shape
+            mine = slice(offset, offset + parts[rank][1].numel())
+            if red == "none":
+                torch.testing.assert_close(r[i]["value"], ref[mine].detach().reshape(shape), rtol=1e-9, atol=1e-11)
+            else:
+                assert r[i]["value"].item() == pytest.approx(ref.item(), rel=1e-9)
+            torch.testing.assert_close(r[i]["lse"], lse[mine].reshape(shape), rtol=1e-9, atol=1e-11)
+            torch.testing.assert_close(r[i]["gx"], (x.grad[mine] * world).reshape(shape + (D,)), rtol=1e-7, atol=1e-8)
+            start, num = shard_range(C, world, rank)
+            torch.testing.assert_close(r[i]["gw"], w.grad[start: start + num], rtol=1e-7, atol=1e-8)
+            offset += parts[rank][1].numel()
+
+
+@pytest.mark.parametrize("key,value", [("label_smoothing", 0.1), ("z_loss", 0.01)])
+@pytest.mark.parametrize("sampler", sorted(SAMPLED))
+def test_sampled_heads_refuse_smoothing_and_z_loss(sampler, key, value):
+    with pytest.raises(ConfigError, match=f"{key}.*{sampler}"):
+        ClassParallelHead(D, C, loss={"type": "softmax", key: value}, sampler=SAMPLED[sampler])
+    with pytest.raises(ConfigError, match=key):  # the keyword form too
+        ClassParallelHead(D, C, sampler=SAMPLED[sampler], **{key: value})
+
+
+def test_ignored_labels_are_no_sampler_positives():
+    """Every label is ignore_index 3 (a real class): the uniform sampler keeps no positive."""
+    head = ClassParallelHead(D, C, loss={"type": "softmax", "ignore_index": 3}, sampler=SAMPLED["uniform"],
+                             dtype=torch.float64)
+    x = torch.randn(5, D, dtype=torch.float64)
+    y = torch.full((5,), 3)
+    y[0] = 4
+    head(x, y)
+    assert head.sampler_stats()["positives"] == 1
