@@ -250,3 +250,136 @@ def test_ignored_labels_are_no_sampler_positives():
     y[0] = 4
     head(x, y)
     assert head.sampler_stats()["positives"] == 1
+
+
+# ------------------------------------------------------------------ one rank against torch
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.15])
+@pytest.mark.parametrize("ignore_index", [-100, 2])
+def test_one_rank_equals_torch_cross_entropy(reduction, smoothing, ignore_index):
+    """The softmax head == F.cross_entropy on x @ W^T and == F.linear_cross_entropy, in value and in the
+    gradients of x and W (the keyword form of the options)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, D, generator=g, dtype=torch.float64)
+    y = torch.randint(0, C, (9,), generator=g)
+    y[[1, 4]] = ignore_index
+    u = torch.rand(9, generator=g, dtype=torch.float64)
+    head = ClassParallelHead(D, C, dtype=torch.float64, init_std=0.5, seed=SEED, chunk_size=4,
+                             ignore_index=ignore_index, label_smoothing=smoothing, reduction=reduction)
+    xs = x.clone().requires_grad_()
+    out = head(xs, y)
+    (out if reduction != "none" else (out * u).sum()).backward()
+    kw = dict(ignore_index=ignore_index, label_smoothing=smoothing, reduction=reduction)
+    for fn in ("cross_entropy", "linear_cross_entropy"):
+        xr = x.clone().requires_grad_()
+        wr = head.weight.detach().clone().requires_grad_()
+        ref = F.cross_entropy(xr @ wr.t(), y, **kw) if fn == "cross_entropy" else F.linear_cross_entropy(xr, wr, y, **kw)
+        (ref if reduction != "none" else (ref * u).sum()).backward()
+        torch.testing.assert_close(out.detach(), ref.detach(), rtol=1e-10, atol=1e-12, msg=lambda m: f"{fn}: {m}")
+        torch.testing.assert_close(xs.grad, xr.grad, rtol=1e-9, atol=1e-12, msg=lambda m: f"{fn}: {m}")
+        torch.testing.assert_close(head.weight.grad, wr.grad, rtol=1e-9, atol=1e-12, msg=lambda m: f"{fn}: {m}")
+
+
+def test_one_rank_sequences_and_weights_equal_torch():
+    """(B, T, d) with (B, T) labels and per-token weights == torch's per-token losses, weighted by hand."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 4, D, generator=g, dtype=torch.float64)
+    y = torch.randint(0, C, (3, 4), generator=g)
+    y[0, 1] = y[2, 3] = -100
+    sw = torch.rand(3, 4, generator=g, dtype=torch.float64) + 0.1
+    head = ClassParallelHead(D, C, dtype=torch.float64, init_std=0.5, seed=SEED, label_smoothing=0.1)
+    xs = x.clone().requires_grad_()
+    head(xs, y, sw).backward()
+    xr = x.clone().requires_grad_()
+    wr = head.weight.detach().clone().requires_grad_()
+    rows = F.cross_entropy((xr @ wr.t()).reshape(-1, C), y.reshape(-1), label_smoothing=0.1, reduction="none")
+    v = sw.reshape(-1) * (y.reshape(-1) != -100)
+    ((rows * v).sum() / v.sum()).backward()
+    torch.testing.assert_close(xs.grad, xr.grad, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(head.weight.grad, wr.grad, rtol=1e-9, atol=1e-12)
+    lse = torch.logsumexp(x @ head.weight.detach().t(), dim=-1)  # (3, 4)
+    torch.testing.assert_close(head.last_lse, lse, rtol=1e-10, atol=1e-12)
+
+
+def _all_ignored(rank, world, update, sampler):
+    from ds_xc import build_head_optimizer
+    head = ClassParallelHead(D, C, sampler=sampler, dtype=torch.float64, init_std=0.5, seed=SEED, update=update,
+                             label_smoothing=0.1 if sampler == "full" else 0.0, chunk_size=2)
+    opt = build_head_optimizer(head, {"type": "adamw", "lr": 0.05, "weight_decay": 0.0, "update": update})
+    before = head.weight.detach().clone()
+    x = torch.randn(3 + rank, D, dtype=torch.float64, requires_grad=True)
+    loss = head(x, torch.full((3 + rank,), -100))
+    loss.backward()
+    gw = head.weight.grad.to_dense() if head.weight.grad.is_sparse else head.weight.grad
+    opt.step()
+    states = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.is_floating_point()]
+    return {"loss": loss.item(), "gx": x.grad.abs().max().item(), "gw": gw.abs().max().item(),
+            "moved": (head.weight.detach() - before).abs().max().item(),
+            "finite": all(bool(torch.isfinite(s).all()) for s in states)}
+
+
+@pytest.mark.parametrize("update,sampler", [("dense", "full"), ("lazy", "full"), ("lazy_exact", "uniform")])
+def test_all_ignored_step_is_nan_with_zero_gradients(pools, update, sampler):
+    """torch's behaviour: the mean over no rows is NaN and every gradient is an exact zero, so neither the
+    weights nor the (lazy) optimizer's state take a NaN (XCEngine skips the step on the NaN loss)."""
+    smp = "full" if sampler == "full" else SAMPLED[sampler]
+    for r in pools(2).run(_all_ignored, update, smp):
+        assert r["loss"] != r["loss"]  # NaN
+        assert r["gx"] == 0.0 and r["gw"] == 0.0 and r["moved"] == 0.0 and r["finite"]
+
+
+def test_label_smoothing_on_three_ranks_equals_one_process(pools):
+    """Smoothing's mean runs over all C = 17 classes of the head (shards of 6, 6 and 5), not over a
+    shard's own classes (Megatron's vocab-parallel formula divides by the local vocabulary)."""
+    case = dict(opts={"label_smoothing": 0.25}, weights=False, ignore=True, chunk=0)
+    results = pools(3).run(_run_cases, LOSSES["softmax"], [case], SIZES[3], {})
+    parts = [local_case(r, SIZES[3], case, 0) for r in range(3)]
+    x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    w = init_shard(C, D, 0, C, 0.5, SEED, torch.float64)
+    expected = F.cross_entropy(x @ w.t(), y, label_smoothing=0.25)
+    for r in results:
+        assert r[0]["value"].item() == pytest.approx(expected.item(), rel=1e-12)
+
+
+# ------------------------------------------------------------------ input checks and refusals
+def _bad_weight(rank, world):
+    head = ClassParallelHead(D, C, dtype=torch.float64)
+    x, y = torch.randn(4, D, dtype=torch.float64), torch.full((4,), -100)
+    y[0] = 1
+    sw = torch.ones(3 if rank == 1 else 4, dtype=torch.float64)
+    try:
+        head(x, y, sw)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_sample_weight_of_the_wrong_shape_raises_on_every_rank(pools):
+    msgs = pools(2).run(_bad_weight)
+    assert "sample_weight must have the labels' shape (4,), got (3,) on rank 1" in msgs[1]
+    assert "rank(s) [1]" in msgs[0]
+
+
+def test_ignore_index_labels_pass_the_check_and_others_do_not():
+    head = ClassParallelHead(D, C, dtype=torch.float64, ignore_index=-1)
+    x = torch.randn(3, D, dtype=torch.float64)
+    head(x, torch.tensor([-1, 2, -1]))
+    with pytest.raises(ValueError, match=r"label -100 at position 1 .* not the ignore_index -1"):
+        head(x, torch.tensor([1, -100, 2]))
+
+
+@pytest.mark.parametrize("name", ["cosface", "arcface", "combined", "dsoftmax"])
+def test_softcap_is_refused_for_margin_losses(name):
+    with pytest.raises(ConfigError, match="softcap"):
+        ClassParallelHead(D, C, loss={**LOSSES[name], "softcap": 5.0})
+    with pytest.raises(ConfigError, match="softcap"):
+        ClassParallelHead(D, C, loss=LOSSES[name], softcap=5.0)
+
+
+@pytest.mark.parametrize("key,value", [("label_smoothing", 1.0), ("z_loss", -0.1), ("reduction", "avg"),
+                                       ("softcap", -1.0)])
+def test_bad_option_values_name_the_key(key, value):
+    with pytest.raises(ConfigError, match=f"loss.{key}"):
+        ClassParallelHead(D, C, loss={"type": "softmax", key: value})
+    with pytest.raises(ConfigError, match=f"loss.{key}"):
+        ClassParallelHead(D, C, **{key: value})
