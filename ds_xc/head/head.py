@@ -135,6 +135,10 @@ class ClassParallelHead(nn.Module):
                                               reduction=reduction)
         if sampler_config.type != "full":
             self.loss_options.refuse_sampled(sampler_config.type)
+        if softmax_backend == "triton" and self.loss_options.softcap:  # 'auto' runs the PyTorch path for it
+            raise cfg.ConfigError(f"{cfg.HEAD_SECTION}.loss.softcap: got {self.loss_options.softcap}; the Triton "
+                                  f"kernels ({cfg.HEAD_SECTION}.softmax_backend='triton') do not cap logits: use "
+                                  "softmax_backend 'torch' or 'auto', or softcap 0")
         self.last_lse: Optional[torch.Tensor] = None  # this rank's rows' lse of the last forward (labels' shape)
         self.sampler_config = sampler_config
         if nonfinite not in ("skip", "raise"):
