@@ -42,9 +42,9 @@ def local_problem(head, embeddings: Optional[torch.Tensor], labels: torch.Tensor
     check_comm_device(head)
     if embeddings is not None:
         if embeddings.dim() != 2 or embeddings.shape[1] != head.embedding_dim:
-            return ValueError(f"embeddings must have shape (batch, {head.embedding_dim}) with labels (batch,), or "
-                              f"(batch, time, {head.embedding_dim}) with labels (batch, time), got "
-                              f"{tuple(embeddings.shape)} {where}")
+            return ValueError(f"embeddings must have shape (batch, {head.embedding_dim}), got "
+                              f"{tuple(embeddings.shape)} {where} (sequences: (batch, time, {head.embedding_dim}) "
+                              "with labels (batch, time))")
         if not embeddings.is_floating_point():
             return TypeError(f"embeddings must be floating point, got {embeddings.dtype} {where}")
         if embeddings.device != head.weight.device:
