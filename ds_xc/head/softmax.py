@@ -316,9 +316,9 @@ def fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor
     ``terms.rows_out`` / ``terms.lse_out`` receive each row's v_i row_i and lse_i.
     """
     terms = DEFAULT_TERMS if terms is None else terms
-    if backend != "torch":
+    if backend != "torch" and not (terms.softcap and backend == "auto"):  # auto: softcap runs the code below
         from ds_xc.head.softmax_backend import resolve_softmax  # lazy: triton loads only when asked
-        fused = resolve_softmax(backend, x, w, terms)
+        fused = resolve_softmax(backend, x, w, *([terms] if terms.softcap else []))  # triton refuses softcap
         out = None if fused is None else fused(x, w, targets, loss, group, chunk_size, need_gx, need_gw,
                                                rw=rw, gw=gw, accumulate=accumulate, finish=finish, terms=terms)
         if out is not None:  # None: auto fell back (the kernels could not launch here)
