@@ -383,3 +383,24 @@ def test_bad_option_values_name_the_key(key, value):
         ClassParallelHead(D, C, loss={"type": "softmax", key: value})
     with pytest.raises(ConfigError, match=f"loss.{key}"):
         ClassParallelHead(D, C, **{key: value})
+
+
+def test_the_engine_refuses_reduction_none():
+    from ds_xc.engine.setup import check_supported
+    raw = {"train_batch_size": 8, cfg_head(): {"num_classes": C, "embedding_dim": D,
+                                               "loss": {"type": "softmax", "reduction": "none"}}}
+    with pytest.raises(ConfigError, match="loss.reduction: 'none'"):
+        check_supported(raw)
+    raw[cfg_head()]["loss"]["reduction"] = "sum"
+    check_supported(raw)
+
+
+def cfg_head():
+    from ds_xc.config import HEAD_SECTION
+    return HEAD_SECTION
+
+
+def test_overlap_schedule_refuses_reduction_none():
+    from ds_xc.overlap import ChunkedHeadSchedule
+    with pytest.raises(ValueError, match="loss.reduction='none'"):
+        ChunkedHeadSchedule(ClassParallelHead(D, C, reduction="none"), 2)
