@@ -40,11 +40,17 @@ def _terms(v, dtype, rows=False):
                     rows_out=torch.empty(N, dtype=dtype) if rows else None, lse_out=torch.empty(N, dtype=dtype))
 
 
+@pytest.mark.parametrize("signed", [False, True])
 @pytest.mark.parametrize("name", sorted(LOSSES))
-def test_kernels_take_the_row_terms(name):
+def test_kernels_take_the_row_terms(name, signed):
+    """signed: some row weights negative (reduction none's upstream gradient): a second launch takes them."""
     loss = build_loss(LOSSES[name])
     x, w, t, v = _problem(2)
+    if signed:
+        v[1::7] = -0.7
+        v[::5] = 0.0
     got_terms, want_terms = _terms(v, torch.float32, True), _terms(v, torch.float64, True)
+    got_terms.signed = signed
     total, gx, gw = triton_fused_loss_and_grads(x, w, t, loss, terms=got_terms)
     ref_total, ref_gx, ref_gw = fused_loss_and_grads(x.double(), w.double(), t, loss, terms=want_terms)
     assert total.item() == pytest.approx(ref_total.item(), rel=2e-6)
@@ -91,3 +97,17 @@ def test_softcap_is_refused_by_triton_and_runs_torch_under_auto():
     with pytest.raises(ValueError, match="softcap"):
         resolve_softmax("triton", x, w, RowTerms(softcap=3.0))
     assert resolve_softmax("auto", x, w, RowTerms(softcap=3.0)) is None
+
+
+def test_triton_head_reduction_none_with_negative_upstream():
+    head = ClassParallelHead(D, C, loss={**LOSSES["cosface"], "reduction": "none", "z_loss": 0.01},
+                             softmax_backend="triton", init_std=0.5, seed=1)
+    g = torch.Generator().manual_seed(6)
+    x, y = torch.randn(N, D, generator=g), torch.randint(0, C, (N,), generator=g)
+    u = torch.randn(N, generator=g)  # upstream of both signs
+    xs = x.clone().requires_grad_()
+    (head(xs, y) * u).sum().backward()
+    opts = {"reduction": "none", "z_loss": 0.01}
+    ref, gx, gw, _ = option_reference(x, head.weight.detach(), y, LOSSES["cosface"], opts, None, u.double())
+    torch.testing.assert_close(xs.grad.double(), gx, rtol=1e-4, atol=1e-4 * gx.abs().max().item())
+    torch.testing.assert_close(head.weight.grad.double(), gw, rtol=1e-4, atol=1e-4 * gw.abs().max().item())

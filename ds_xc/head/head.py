@@ -323,8 +323,9 @@ class ClassParallelHead(nn.Module):
         sum_i v_i over the global batch (v_i = 0 where the label is ``ignore_index``); no gradient
         flows into it. ``reduction`` (the loss option): "mean", "sum", or "none" (v_i row_i of this
         rank's rows, the labels' shape; backward then runs a second pass over the rows, with the
-        upstream gradient of every rank's rows as their weights). An all-ignored batch under "mean"
-        returns NaN, as torch, with exact-zero gradients (XCEngine skips such a step). ``batch_sizes``
+        upstream gradient of every rank's rows as their weights). A batch whose rows are all ignored
+        returns NaN under "mean", as torch, with exact-zero gradients (XCEngine skips such a step); an
+        empty global batch (no rows anywhere) returns 0. ``batch_sizes``
         lists every rank's B (rows; for sequences B T); None has them exchanged in the input check's
         all-reduce. When given, they are checked against the exchanged ones in checked steps and trusted
         (no sync) in unchecked ones (a non-tensor third argument is taken as ``batch_sizes``, the
@@ -374,7 +375,7 @@ class ClassParallelHead(nn.Module):
         total = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
         total = self.flag_unchecked(total, y, verdict)
         weight_sum = terms.weight.sum()
-        if opts.reduction == "sum":
+        if opts.reduction == "sum" or total_rows == 0:  # no rows at all (known on the host): a zero loss, as ever
             return self.replicas.global_sum(total)
         if self.replicas.active:
             return self.replicas.global_mean(total, weight_sum)
@@ -401,7 +402,7 @@ class ClassParallelHead(nn.Module):
             v = v * sw
         lse = torch.empty(x.shape[0], dtype=sd, device=x.device)  # (N,)
         return RowTerms(weight=v, smoothing=opts.label_smoothing, z_loss=opts.z_loss, softcap=opts.softcap,
-                        num_classes=self.num_classes, lse_out=lse)
+                        num_classes=self.num_classes, lse_out=lse, signed=sample_weight is not None)
 
     def _own_rows(self, t: torch.Tensor, sizes) -> torch.Tensor:
         """This rank's rows of a gathered (N,) tensor (all of them with replicated input); detached for lse."""

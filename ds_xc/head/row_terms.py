@@ -94,7 +94,8 @@ class RowTerms:
 
     weight (N,) v_i in the statistics dtype (None: every row weighs 1); smoothing eps, z_loss,
     softcap; num_classes C (the smoothing's mean); rows_out / lse_out (N,) filled with v_i row_i
-    and lse_i when given."""
+    and lse_i when given; ``signed``: some weights may be negative (the Triton kernels then run a second
+    launch for those rows)."""
     weight: Optional[torch.Tensor] = None
     smoothing: float = 0.0
     z_loss: float = 0.0
@@ -102,6 +103,7 @@ class RowTerms:
     num_classes: int = 1
     rows_out: Optional[torch.Tensor] = None
     lse_out: Optional[torch.Tensor] = None
+    signed: bool = False  # the weights may be negative (sample weights, reduction none's upstream gradient)
 
     def slice(self, a: int, b: int) -> "RowTerms":
         """The same terms for rows [a, b) (views: the outputs are written in place)."""
@@ -109,8 +111,8 @@ class RowTerms:
         return dataclasses.replace(self, weight=cut(self.weight), rows_out=cut(self.rows_out),
                                    lse_out=cut(self.lse_out))
 
-    def with_weight(self, weight: Optional[torch.Tensor]) -> "RowTerms":
-        return dataclasses.replace(self, weight=weight, rows_out=None, lse_out=None)
+    def with_weight(self, weight: Optional[torch.Tensor], signed: bool = False) -> "RowTerms":
+        return dataclasses.replace(self, weight=weight, rows_out=None, lse_out=None, signed=self.signed or signed)
 
     @property
     def columns(self) -> int:

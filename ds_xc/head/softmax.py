@@ -478,7 +478,7 @@ def _replay_rows(replay, grad_rows: torch.Tensor):
         collectives.all_reduce_sum_(g, group)
     weight = g if terms.weight is None else g * terms.weight
     _, gx, gw = fused_loss_and_grads(x, w, targets, loss, group, chunk_size, needs[0], needs[1], backend=backend,
-                                     workspace=workspace, terms=terms.with_weight(weight))
+                                     workspace=workspace, terms=terms.with_weight(weight, signed=True))
     return gx, gw
 
 

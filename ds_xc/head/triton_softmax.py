@@ -208,9 +208,9 @@ def _prepare(x, w, targets, loss: TargetLoss, rw) -> _Rows:
 def _combine(m_loc, l_loc, r: _Rows, loss: TargetLoss, red: Reducer, terms: RowTerms, zsum):
     """Class-parallel merge of the local row stats, as the PyTorch path: one all-gather of
     [row max, sum-exp against it, target term, (smoothing) logit sum], merged by
-    :func:`merge_row_stats`. Returns (weighted rows (N,), lse (N,), lse_k (N,), gt (N,)): the loss
-    rows v_i row_i, the log partition function, the kernel's lse (lse - log(v (1 + 2 z_loss lse)):
-    its exp(z - lse_k) is the weighted gradient) and v_i d row / d c at the target."""
+    :func:`merge_row_stats`. Returns (weighted rows (N,), lse (N,), a (N,), gt (N,)): the loss
+    rows v_i row_i, the log partition function, each row's factor a_i = v_i (1 + 2 z_loss lse_i) of its
+    probabilities in the gradient, and v_i d row / d c at the target."""
     zero = torch.zeros((), dtype=torch.float32, device=m_loc.device)
     target = r.c_t if loss.separate_target else torch.where(r.has_t, r.zt, zero)
     cols = [m_loc, l_loc, target.to(m_loc.dtype)] + ([zsum.to(m_loc.dtype)] if terms.smoothing else [])
@@ -225,8 +225,28 @@ def _combine(m_loc, l_loc, r: _Rows, loss: TargetLoss, red: Reducer, terms: RowT
     if v is not None:
         gt, pfac = gt * v, pfac * v
     gt = torch.where(r.has_t, gt, zero).float().contiguous()
-    lse_k = torch.where(pfac > 0, lse - torch.log(pfac.clamp_min(1e-30)), float("inf"))
-    return rows, lse.contiguous(), lse_k.float().contiguous(), gt
+    return rows, lse.contiguous(), pfac, gt
+
+
+def _signed_gradients(x, w, r: _Rows, lse, a, gt, need_gx, need_gw, gw, tiles, signed: bool):
+    """The backward kernel for per-row factors ``a`` (N,) (off the target: scale p_ij a_i) and target terms
+    ``gt``: the kernel's exp(z - lse_k) with lse_k = lse - log a takes a > 0 only, so rows whose factor may
+    be negative (``signed``: sample weights, or reduction none's upstream gradient) run in a second launch
+    with |a| and -gt, subtracted (gw through a scratch). Returns A (N, d) fp32 or None; adds into gw."""
+    def lse_for(f):
+        return torch.where(f > 0, lse - torch.log(f.clamp_min(1e-30)), float("inf")).float().contiguous()
+    if not signed:
+        return _gradients(x, w, r.rx, r.rw, r.t32, lse_for(a), gt, need_gx, need_gw, gw, tiles, r.scale)
+    neg = a < 0
+    zero = torch.zeros_like(gt)
+    pos_gt = torch.where(neg, zero, gt).contiguous()
+    out = _gradients(x, w, r.rx, r.rw, r.t32, lse_for(a), pos_gt, need_gx, need_gw, gw, tiles, r.scale)
+    scratch = torch.zeros_like(gw) if need_gw else None
+    back = _gradients(x, w, r.rx, r.rw, r.t32, lse_for(-a), torch.where(neg, -gt, zero).contiguous(), need_gx,
+                      need_gw, scratch, tiles, r.scale)
+    if need_gw:
+        gw -= scratch
+    return None if out is None else out - back
 
 
 def _logit_sums(x, w, r: _Rows, loss: TargetLoss):
@@ -272,7 +292,7 @@ def triton_fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch
     zsum = wsum = None
     if terms.smoothing:
         zsum, wsum = _logit_sums(x, w, r, loss)
-    rows, lse, lse_k, gt = _combine(m_loc, l_loc, r, loss, Reducer(group), terms, zsum)
+    rows, lse, a_rows, gt = _combine(m_loc, l_loc, r, loss, Reducer(group), terms, zsum)
     total = rows.sum()
     if need_gw and gw is None:
         gw = torch.empty((k, w.shape[1]), dtype=torch.float32, device=dev)  # (K, d)
@@ -282,7 +302,7 @@ def triton_fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch
         return total, None, None
     a = None
     if n and k:
-        a = _gradients(x, w, r.rx, r.rw, r.t32, lse_k, gt, need_gx, need_gw, gw, tiles, r.scale)  # (N, d)
+        a = _signed_gradients(x, w, r, lse, a_rows, gt, need_gx, need_gw, gw, tiles, terms.signed)  # (N, d)
     if terms.smoothing:  # the rank-1 term -b_i s rw_j of every entry (the kernel's gt holds the target's rest)
         b = torch.full_like(lse, terms.smoothing / terms.num_classes)
         if terms.weight is not None:

@@ -288,7 +288,7 @@ class ChunkedHeadSchedule:
         v = (y != opts.ignore_index).to(sd)  # (N,)
         terms = RowTerms(weight=v, smoothing=opts.label_smoothing, z_loss=opts.z_loss, softcap=opts.softcap,
                          num_classes=head.num_classes)
-        denom = v.sum() if opts.reduction == "mean" else torch.ones((), dtype=sd, device=v.device)
+        denom = v.sum() if opts.reduction == "mean" and n else torch.ones((), dtype=sd, device=v.device)
         return terms, torch.empty(n, dtype=sd, device=v.device), denom
 
     def _chunk(self, xc, pos, active, groups, norms, gw_sum, need_gx, need_gw, total, terms, lse_all):
