@@ -365,6 +365,18 @@ class HeadConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _check_sampled_loss(self):
+        for key in ("label_smoothing", "z_loss"):  # over all C classes: a sampled head scores K of them
+            if self.sampler.type != "full" and getattr(self.loss, key):
+                raise ValueError(f"loss.{key}={getattr(self.loss, key)} with sampler {self.sampler.type!r}: it needs "
+                                 "every class's logit, a sampled head scores only its active classes; set "
+                                 f"loss.{key} 0 or use sampler 'full'")
+        if self.overlap.enabled and self.loss.reduction == "none":
+            raise ValueError("loss.reduction='none' with overlap.enabled=true: the overlap pipeline needs the "
+                             "batch's loss; use 'mean' or 'sum'")
+        return self
+
+    @model_validator(mode="after")
     def _check_update(self):
         if self.optimizer.update == "lazy_exact" and self.dtype not in _EXACT_LAZY_DTYPES:
             raise ValueError(f"optimizer.update='lazy_exact' needs dtype {' or '.join(_EXACT_LAZY_DTYPES)}, "

@@ -404,3 +404,15 @@ def test_overlap_schedule_refuses_reduction_none():
     from ds_xc.overlap import ChunkedHeadSchedule
     with pytest.raises(ValueError, match="loss.reduction='none'"):
         ChunkedHeadSchedule(ClassParallelHead(D, C, reduction="none"), 2)
+
+
+@pytest.mark.parametrize("loss,extra,key", [({"type": "softmax", "z_loss": 0.1}, {"sampler": {"type": "uniform"}},
+                                             "loss.z_loss"),
+                                            ({"type": "cosface", "label_smoothing": 0.1},
+                                             {"sampler": {"type": "knn"}}, "loss.label_smoothing"),
+                                            ({"type": "softmax", "reduction": "none"}, {"overlap": {"enabled": True}},
+                                             "loss.reduction")])
+def test_the_config_refuses_what_a_path_cannot_do(loss, extra, key):
+    from ds_xc import parse_config
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        parse_config({cfg_head(): {"num_classes": C, "embedding_dim": D, "loss": loss, **extra}})
