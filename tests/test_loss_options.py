@@ -416,3 +416,21 @@ def test_the_config_refuses_what_a_path_cannot_do(loss, extra, key):
     from ds_xc import parse_config
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         parse_config({cfg_head(): {"num_classes": C, "embedding_dim": D, "loss": loss, **extra}})
+
+
+@pytest.mark.parametrize("name", ["softmax", "arcface"])
+def test_bfloat16_head_takes_the_options(name):
+    """bf16 weights (float32 statistics): the options within bf16's rounding of the float64 reference."""
+    opts = {"label_smoothing": 0.1, "z_loss": 0.01, "ignore_index": 0, **({"softcap": 3.0} if name == "softmax" else {})}
+    head = ClassParallelHead(D, C, loss={**LOSSES[name], **opts}, dtype="bfloat16", init_std=0.5, seed=2, chunk_size=4)
+    g = torch.Generator().manual_seed(8)
+    x, y = torch.randn(10, D, generator=g), torch.randint(0, C, (10,), generator=g)
+    y[::3] = 0
+    xs = x.clone().requires_grad_()
+    out = head(xs, y)
+    out.backward()
+    ref, gx, gw, _ = option_reference(x.to(torch.bfloat16).double(), head.weight.detach().double(), y, LOSSES[name],
+                                      opts)
+    assert out.item() == pytest.approx(ref.item(), rel=2e-2)
+    torch.testing.assert_close(xs.grad.double(), gx, rtol=5e-2, atol=5e-2 * gx.abs().max().item())
+    torch.testing.assert_close(head.weight.grad.double(), gw, rtol=5e-2, atol=5e-2 * gw.abs().max().item())
