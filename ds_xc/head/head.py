@@ -397,8 +397,10 @@ class ClassParallelHead(nn.Module):
         v = (y != opts.ignore_index).to(sd)  # (N,)
         if sample_weight is not None:
             sw = sample_weight.detach().to(sd)
-            if self.input_parallel != "replicated":
-                sw = all_gather_no_grad(sw, self.group, sizes if len(set(sizes)) > 1 else None)  # (N,)
+            if self.input_parallel != "replicated":  # (N,), in the rows' rank order
+                uneven = sizes if len(set(sizes)) > 1 else None
+                sw = all_gather_no_grad(sw, self.group, uneven) if self.node_gather is None \
+                    else self.node_gather.gather(sw, uneven)
             v = v * sw
         lse = torch.empty(x.shape[0], dtype=sd, device=x.device)  # (N,)
         return RowTerms(weight=v, smoothing=opts.label_smoothing, z_loss=opts.z_loss, softcap=opts.softcap,

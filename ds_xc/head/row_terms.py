@@ -111,6 +111,10 @@ class RowTerms:
         return dataclasses.replace(self, weight=cut(self.weight), rows_out=cut(self.rows_out),
                                    lse_out=cut(self.lse_out))
 
+    def but(self, **changes) -> "RowTerms":
+        """A copy with ``changes`` (dataclasses.replace)."""
+        return dataclasses.replace(self, **changes)
+
     def with_weight(self, weight: Optional[torch.Tensor], signed: bool = False) -> "RowTerms":
         return dataclasses.replace(self, weight=weight, rows_out=None, lse_out=None, signed=self.signed or signed)
 

@@ -437,7 +437,7 @@ class _ShardedMarginLoss(torch.autograd.Function):
         ctx.dtypes = (x.dtype, w.dtype)
         if per_row:
             rows = torch.empty(x.shape[0], dtype=_stat_dtype(w.dtype), device=x.device)  # (N,)
-            terms = RowTerms(**{**terms.__dict__, "rows_out": rows})
+            terms = terms.but(rows_out=rows)
             fused_loss_and_grads(x, w, targets, loss, group, chunk_size, False, False, backend=backend,
                                  workspace=workspace, terms=terms)
             ctx.replay = (x.detach(), w.detach(), targets, loss, group, chunk_size, backend, workspace,

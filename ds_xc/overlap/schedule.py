@@ -310,7 +310,7 @@ class ChunkedHeadSchedule:
                 xs, ts = xc[sel], targets[sel]
             rows_at = pos if sel is None else pos[sel]  # (n,) the rows' places in the global batch
             lse = torch.empty(rows_at.shape[0], dtype=lse_all.dtype, device=lse_all.device)
-            part = RowTerms(**{**terms.__dict__, "weight": terms.weight[rows_at], "lse_out": lse})
+            part = terms.but(weight=terms.weight[rows_at], lse_out=lse)
             rows_total, gx, gw = fused_loss_and_grads(xs, w, ts, head.loss_fn, head.group, head.chunk_size,
                                                       need_gx, need_gw, rw=norms[g], gw=gw_sum[g],
                                                       accumulate=gw_sum[g] is not None, finish=False,
