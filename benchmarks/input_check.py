@@ -59,7 +59,7 @@ def _run_rank(rank: int, world: int, port: int, spec: dict) -> dict:
                 head, bs = heads[name], sizes if pass_sizes else None
                 t0 = time.perf_counter()
                 for _ in range(spec["calls"]):  # whole check_interval periods
-                    head(x, y, bs)
+                    head(x, y, batch_sizes=bs)
                 t1 = time.perf_counter()
                 for _ in range(spec["calls"]):
                     head.check_batch(x, y, bs)

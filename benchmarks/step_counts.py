@@ -76,7 +76,7 @@ def ds_xc_step(sampler: str, sizes: dict = SIZES, update: str = "auto", loss: st
     def step(i: int) -> None:
         x, y = data[i % len(data)]
         x = x.clone().requires_grad_()
-        head(x, y, sizes_arg).backward()
+        head(x, y, batch_sizes=sizes_arg).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     return step

@@ -33,11 +33,34 @@ __all__ = [
 ]
 
 # --------------------------------------------------------------------------- loss
-class _NormalisedLoss(_Section):
+class _LossOptions(_Section):
+    """Options shared by every loss (docs/head.md, "Loss options"); ds_xc/head/row_terms.py applies them."""
+    ignore_index: int = Field(-100, description="Rows whose label equals this add nothing to the loss or to any "
+                              "gradient; the mean divides by the non-ignored rows of the global batch (as torch).")
+    label_smoothing: float = Field(0.0, ge=0.0, lt=1.0, description="eps of torch's label smoothing over all C "
+                                   "classes of the head, on the logits the loss uses (the target's with its margin).")
+    z_loss: float = Field(0.0, ge=0.0, description="Coefficient of lse^2 added to every row's loss (PaLM's z-loss; "
+                          "lse = the row's log partition function, head.last_lse).")
+    softcap: float = Field(0.0, ge=0.0, description="0: off; > 0: logits z -> softcap * tanh(z / softcap) "
+                           "(softmax loss only: margin losses' logits are bounded by their scale already).")
+    reduction: Literal["mean", "sum", "none"] = Field(
+        "mean", description="mean: the (weighted) mean over the global batch's non-ignored rows; sum: their sum; "
+        "none: this rank's rows' losses, the labels' shape.")
+
+
+class _NormalisedLoss(_LossOptions):
     scale: float = Field(64.0, gt=0.0, le=1e4, description="Logit scale s applied to cosine logits.")
 
+    @model_validator(mode="after")
+    def _no_softcap(self):
+        if self.softcap:
+            raise ValueError(f"softcap = {self.softcap}: allowed only for the softmax loss (type 'softmax'); the "
+                             f"{self.type} loss's logits are scale * cosine, bounded by scale = {self.scale} already: "
+                             "set softcap 0")
+        return self
 
-class SoftmaxLoss(_Section):
+
+class SoftmaxLoss(_LossOptions):
     """Plain softmax cross entropy on unnormalised logits x.w (no scale, no margin)."""
     type: Literal["softmax"] = "softmax"
 
@@ -343,6 +366,18 @@ class HeadConfig(_Section):
         if self.input_parallel == "replicated" and self.overlap.enabled:
             raise ValueError("input_parallel='replicated' with overlap.enabled=true: the overlap pipeline hides the "
                              "gathers of input_parallel='data' (the replicated head has none); disable overlap")
+        return self
+
+    @model_validator(mode="after")
+    def _check_sampled_loss(self):
+        for key in ("label_smoothing", "z_loss"):  # over all C classes: a sampled head scores K of them
+            if self.sampler.type != "full" and getattr(self.loss, key):
+                raise ValueError(f"loss.{key}={getattr(self.loss, key)} with sampler {self.sampler.type!r}: it needs "
+                                 "every class's logit, a sampled head scores only its active classes; set "
+                                 f"loss.{key} 0 or use sampler 'full'")
+        if self.overlap.enabled and self.loss.reduction == "none":
+            raise ValueError("loss.reduction='none' with overlap.enabled=true: the overlap pipeline needs the "
+                             "batch's loss; use 'mean' or 'sum'")
         return self
 
     @model_validator(mode="after")

@@ -219,6 +219,14 @@ def _satisfy_cross_field_rules(raw):
         comp["adam_variance"] = "auto"  # frozen needs a warm-up and an element-selecting method with feedback
     if comp.get("density_warmup_steps") and comp.get("density_warmup_start", 0.25) < comp.get("density", 0.01):
         comp["density_warmup_start"] = comp.get("density", 0.01)  # the warm-up starts at or above the density
+    loss = head.get("loss")
+    if isinstance(loss, dict):
+        if loss.get("type", "softmax") != "softmax":
+            loss["softcap"] = 0.0  # margin losses' logits are bounded already: softcap is the softmax loss's
+        if s.get("type", "full") != "full":
+            loss["label_smoothing"] = loss["z_loss"] = 0.0  # over all C classes: not on a sampled head
+        if isinstance(head.get("overlap"), dict) and head["overlap"].get("enabled"):
+            loss["reduction"] = "mean"  # the overlap pipeline needs the batch's loss
     if head.get("input_parallel") == "replicated" and isinstance(head.get("overlap"), dict):
         head["overlap"]["enabled"] = False  # the overlap pipeline hides input_parallel data's gathers
     for name, least in (("text", 1_000), ("corpus", 10_000)):

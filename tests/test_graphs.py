@@ -48,7 +48,7 @@ def _batch(step, dtype=torch.float64, device="cpu"):
 def _eager_step(head, opt, step):
     x, y = _batch(step, head.weight.dtype, head.weight.device)
     x.requires_grad_()
-    loss = head(x, y, [B])
+    loss = head(x, y, batch_sizes=[B])
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -133,7 +133,7 @@ def test_the_replay_check_finds_what_a_graph_would_bake_in():
         x.grad = None
         recorder = ReplayRecorder()
         with recorder:
-            head(x, y, [B]).backward()
+            head(x, y, batch_sizes=[B]).backward()
             opt.step()
         opt.zero_grad(set_to_none=True)
         records.append(recorder.ops)

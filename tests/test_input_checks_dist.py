@@ -29,7 +29,7 @@ def _head(**kw):
 def _call(head, mode, x, y, batch_sizes=None, world=2, timeline=None):
     """One head step, serial or scheduled; returns the loss (the backward has run)."""
     if mode == "serial":
-        loss = head(x, y, batch_sizes)
+        loss = head(x, y, batch_sizes=batch_sizes)
         loss.backward()
         return loss.detach()
     sched = ChunkedHeadSchedule(head, 2, timeline=timeline, comm_group=_comm_group(world))

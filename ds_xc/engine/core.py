@@ -87,7 +87,7 @@ class XCEngine:
 
     def __call__(self, inputs, labels, batch_sizes=None) -> torch.Tensor:
         with self.in_phase("forward"):
-            return self.head(self.engine(inputs), labels, batch_sizes)
+            return self.head(self.engine(inputs), labels, batch_sizes=batch_sizes)
 
     def backward(self, loss: torch.Tensor) -> None:
         """engine.backward(loss), unless the loss is NaN/Inf: then no backward runs and the step is skipped.

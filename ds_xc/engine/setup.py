@@ -86,6 +86,10 @@ def check_supported(raw: dict) -> None:
     if cfg.HEAD_SECTION not in raw:
         raise cfg.ConfigError(f"the DeepSpeed config has no '{cfg.HEAD_SECTION}' section; add one with at "
                               "least num_classes and embedding_dim")
+    loss = _raw_section(raw, cfg.HEAD_SECTION).get("loss")
+    if isinstance(loss, dict) and loss.get("reduction") == "none":  # per-row losses: no scalar to step on
+        raise cfg.ConfigError(f"{cfg.HEAD_SECTION}.loss.reduction: 'none' returns each row's loss; the XCEngine's "
+                              "step needs the batch's loss: use 'mean' or 'sum' (or the head on its own)")
 
 
 def cpu_friendly_deepspeed():

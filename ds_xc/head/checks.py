@@ -34,7 +34,7 @@ class Verdict:
 
 
 def local_problem(head, embeddings: Optional[torch.Tensor], labels: torch.Tensor,
-                   num_rows: int) -> Optional[Exception]:
+                   num_rows: int, sample_weight: Optional[torch.Tensor] = None) -> Optional[Exception]:
     """Host-side checks of this rank's input (shapes, dtypes, devices; no device work, no sync):
     None when fine, else the error to raise. ``embeddings`` None: the overlap schedule's
     backbone mode, where only the row count is known before the first gather."""
@@ -43,7 +43,8 @@ def local_problem(head, embeddings: Optional[torch.Tensor], labels: torch.Tensor
     if embeddings is not None:
         if embeddings.dim() != 2 or embeddings.shape[1] != head.embedding_dim:
             return ValueError(f"embeddings must have shape (batch, {head.embedding_dim}), got "
-                              f"{tuple(embeddings.shape)} {where}")
+                              f"{tuple(embeddings.shape)} {where} (sequences: (batch, time, {head.embedding_dim}) "
+                              "with labels (batch, time))")
         if not embeddings.is_floating_point():
             return TypeError(f"embeddings must be floating point, got {embeddings.dtype} {where}")
         if embeddings.device != head.weight.device:
@@ -57,6 +58,13 @@ def local_problem(head, embeddings: Optional[torch.Tensor], labels: torch.Tensor
     if labels.device != head.weight.device:
         return ValueError(f"labels must be on the embeddings' device {head.weight.device}, got "
                           f"{labels.device} {where}")
+    if sample_weight is not None:
+        if sample_weight.shape != labels.shape:
+            return ValueError(f"sample_weight must have the labels' shape {tuple(labels.shape)}, got "
+                              f"{tuple(sample_weight.shape)} {where}")
+        if not sample_weight.is_floating_point() or sample_weight.device != head.weight.device:
+            return TypeError(f"sample_weight must be a floating point tensor on {head.weight.device}, got "
+                             f"{sample_weight.dtype} on {sample_weight.device} {where}")
     return None
 
 
@@ -76,7 +84,8 @@ def fill_verdict(head, row: torch.Tensor, embeddings: Optional[torch.Tensor], la
     (BAD_INPUT for an out-of-range label, else NONFINITE for NaN/Inf embeddings when they are
     checked), the first bad label's position and value."""
     if labels.numel():
-        bad = (labels < 0) | (labels >= head.num_classes)  # (B,)
+        bad = (labels < 0) | (labels >= head.num_classes)  # (B,); ignore_index rows are fine
+        bad &= labels != head.loss_options.ignore_index
         first = torch.argmax(bad.to(torch.int8))  # the first True (0 when none)
         any_bad = bad.any()
         row[2], row[3] = first, labels.index_select(0, first.view(1)).squeeze(0).to(torch.int64)
@@ -98,7 +107,7 @@ def decide(head, rows_of: list, error: Optional[Exception], batch_sizes, full: b
             raise error
         _, _, pos, value, _ = rows_of[head.rank]
         raise ValueError(f"label {value} at position {pos} on rank {head.rank} is outside "
-                         f"[0, {head.num_classes})")
+                         f"[0, {head.num_classes}) and not the ignore_index {head.loss_options.ignore_index}")
     bad = [r for r, c in enumerate(codes) if c == BAD_INPUT]
     if bad:
         raise ValueError(f"another rank reported invalid labels, embedding shape, dtype or device: rank(s) {bad} "

@@ -130,7 +130,7 @@ class HeadStepGraph:
         """The step run eagerly (the same graphed code path), e.g. when it does host work."""
         self.eager_steps += 1
         self.x.grad = None
-        loss = self.head(self.x, self.y, [self.rows])
+        loss = self.head(self.x, self.y, batch_sizes=[self.rows])
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -165,7 +165,7 @@ class HeadStepGraph:
         head.weight.grad = None
         torch.cuda.synchronize()
         with torch.cuda.graph(graph):
-            loss = head(self.x, self.y, [self.rows])
+            loss = head(self.x, self.y, batch_sizes=[self.rows])
             loss.backward()
             opt.step()
         self.graph, self.loss, self.grad = graph, loss.detach(), self.x.grad

@@ -30,6 +30,7 @@ from ds_xc.head.fingerprint import weight_checksum as _checksum
 from ds_xc.head.margins import TargetLoss, build_loss
 from ds_xc.head.partition import init_shard, shard_range, shard_topk
 from ds_xc.head.replicas import Replicas
+from ds_xc.head.row_terms import LossOptions, RowTerms, mean_of
 from ds_xc.head.softmax import sharded_margin_loss
 from ds_xc.head.workspace import Workspace, gather_rows
 from ds_xc.parallel.collectives import (all_gather_no_grad, all_gather_rows, exchange_sizes, merge_topk,
@@ -88,6 +89,12 @@ class ClassParallelHead(nn.Module):
         replica_group: the ranks holding a copy of this shard (2-D layout, ds_xc/head/replicas.py;
             None: no replicas). The loss is then the mean over the union of every rank's rows and the
             shard gradient is summed over ``replica_group`` before the head optimizer steps.
+        ignore_index, label_smoothing, z_loss, softcap, reduction: the loss options (docs/head.md,
+            "Loss options"; ds_xc/head/row_terms.py); None keeps the value of the ``loss`` config
+            (whose keys they also are; defaults -100, 0, 0, 0, "mean").
+
+    Attribute ``last_lse``: after each forward, every row's log partition function lse (this rank's
+    rows, the labels' shape, detached; the one z_loss squares; ignored rows included).
 
     Attribute ``node_gather``: set it to a :class:`ds_xc.parallel.node_gather.NodeGather` over ``group``
     to exchange the rows across nodes in two rank-aligned stages (``topology.head_collectives``).
@@ -98,7 +105,8 @@ class ClassParallelHead(nn.Module):
                  init_std: float = 0.01, seed: int = 0, update: str = "dense",
                  check_inputs: bool = True, nonfinite: str = "raise", device=None,
                  softmax_backend: str = "torch", check_interval: int = 1, input_parallel: str = "data",
-                 replica_group=None):
+                 replica_group=None, ignore_index: Optional[int] = None, label_smoothing: Optional[float] = None,
+                 z_loss: Optional[float] = None, softcap: Optional[float] = None, reduction: Optional[str] = None):
         super().__init__()
         if isinstance(dtype, str):
             if dtype not in _DTYPES:
@@ -121,6 +129,17 @@ class ClassParallelHead(nn.Module):
         self.embedding_dim, self.num_classes = int(embedding_dim), int(num_classes)
         self.class_start, self.num_local = shard_range(self.num_classes, self.world_size, self.rank)
         self.loss_fn: TargetLoss = build_loss(loss)
+        self.loss_options = LossOptions.build(None if isinstance(loss, TargetLoss) else cfg.parse_loss(loss),
+                                              self.loss_fn.normalised, ignore_index=ignore_index,
+                                              label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                                              reduction=reduction)
+        if sampler_config.type != "full":
+            self.loss_options.refuse_sampled(sampler_config.type)
+        if softmax_backend == "triton" and self.loss_options.softcap:  # 'auto' runs the PyTorch path for it
+            raise cfg.ConfigError(f"{cfg.HEAD_SECTION}.loss.softcap: got {self.loss_options.softcap}; the Triton "
+                                  f"kernels ({cfg.HEAD_SECTION}.softmax_backend='triton') do not cap logits: use "
+                                  "softmax_backend 'torch' or 'auto', or softcap 0")
+        self.last_lse: Optional[torch.Tensor] = None  # this rank's rows' lse of the last forward (labels' shape)
         self.sampler_config = sampler_config
         if nonfinite not in ("skip", "raise"):
             raise cfg.ConfigError(f"{cfg.HEAD_SECTION}.nonfinite: got {nonfinite!r}; allowed: 'skip', 'raise'")
@@ -151,9 +170,10 @@ class ClassParallelHead(nn.Module):
         self.lazy_catch_up = None  # update lazy_exact: the optimizer's catch_up(rows or None)
         self.sampler.before_read = self._catch_up_rows  # the sampler's reads of the weights see current rows
         self.last_metrics: dict = {}
-        log.info("ClassParallelHead rank %d/%d: classes [%d, %d) of %d, d=%d, loss=%s, sampler=%s %s",
+        log.info("ClassParallelHead rank %d/%d: classes [%d, %d) of %d, d=%d, loss=%s %s, sampler=%s %s",
                  self.rank, self.world_size, self.class_start, self.class_start + self.num_local, self.num_classes,
-                 self.embedding_dim, self.loss_fn.describe(), self.sampler_config.type, self.replicas.describe())
+                 self.embedding_dim, self.loss_fn.describe(), self.loss_options.describe(), self.sampler_config.type,
+                 self.replicas.describe())
 
     @classmethod
     def from_config(cls, section, group=None, device=None, replica_group=None) -> "ClassParallelHead":
@@ -173,7 +193,8 @@ class ClassParallelHead(nn.Module):
 
     # ------------------------------------------------------------------ checks
     def check_batch(self, embeddings: Optional[torch.Tensor], labels: torch.Tensor,
-                    batch_sizes: Optional[Sequence[int]] = None, num_rows: Optional[int] = None) -> Optional[Verdict]:
+                    batch_sizes: Optional[Sequence[int]] = None, num_rows: Optional[int] = None,
+                    sample_weight: Optional[torch.Tensor] = None) -> Optional[Verdict]:
         """Validate this step's input on every rank and learn every rank's batch size.
 
         The first thing of a step, before any collective: :meth:`forward` and the overlap
@@ -202,7 +223,7 @@ class ClassParallelHead(nn.Module):
         if batch_sizes is not None and len(batch_sizes) != self.world_size:
             raise ValueError(f"batch_sizes has {len(batch_sizes)} entries {list(batch_sizes)}, the head's group has "
                              f"{self.world_size} ranks (rank {self.rank})")
-        error = local_problem(self, embeddings, labels, rows)
+        error = local_problem(self, embeddings, labels, rows, sample_weight)
         if not full and batch_sizes is not None:  # trusted sizes: no collective, no sync
             if error is not None:
                 raise error
@@ -241,7 +262,7 @@ class ClassParallelHead(nn.Module):
         ``nonfinite``) and the count is raised on every rank at the next check."""
         if verdict.labels_checked or y.numel() == 0:
             return loss
-        bad = ((y < 0) | (y >= self.num_classes)).sum()  # () on the device
+        bad = (((y < 0) | (y >= self.num_classes)) & (y != self.loss_options.ignore_index)).sum()  # ()
         if self._unchecked_bad is None or self._unchecked_bad.device != bad.device:
             self._unchecked_bad = torch.zeros((), dtype=torch.int64, device=bad.device)
         self._unchecked_bad.add_(bad)  # in place: the count of a captured step's replays adds up too
@@ -292,17 +313,30 @@ class ClassParallelHead(nn.Module):
         y = all_gather_no_grad(labels.to(torch.int64), self.group, sizes)
         return x, y
 
-    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor,
+    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor, sample_weight: Optional[torch.Tensor] = None,
                 batch_sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
-        """Global-batch mean loss (the same on every rank).
+        """The loss of the global batch (the same on every rank; ``reduction`` none: this rank's rows').
 
-        embeddings (B, d) and labels (B,) are this rank's share of the global batch; B may
-        differ between ranks and may be 0. ``batch_sizes`` lists every rank's B; None has them
-        exchanged in the input check's all-reduce. When given, they are checked against the
-        exchanged ones in checked steps and trusted (no sync) in unchecked ones.
+        embeddings (B, d) and labels (B,), or sequences (B, T, d) and (B, T), are this rank's share
+        of the global batch; B may differ between ranks and may be 0. ``sample_weight`` (labels'
+        shape, floating point; None: 1): each row's weight, the mean becoming sum_i v_i row_i /
+        sum_i v_i over the global batch (v_i = 0 where the label is ``ignore_index``); no gradient
+        flows into it. ``reduction`` (the loss option): "mean", "sum", or "none" (v_i row_i of this
+        rank's rows, the labels' shape; backward then runs a second pass over the rows, with the
+        upstream gradient of every rank's rows as their weights). A batch whose rows are all ignored
+        returns NaN under "mean", as torch, with exact-zero gradients (XCEngine skips such a step); an
+        empty global batch (no rows anywhere) returns 0. ``batch_sizes``
+        lists every rank's B (rows; for sequences B T); None has them exchanged in the input check's
+        all-reduce. When given, they are checked against the exchanged ones in checked steps and trusted
+        (no sync) in unchecked ones (a non-tensor third argument is taken as ``batch_sizes``, the
+        argument's earlier place). After the call ``last_lse`` holds every row's lse.
         """
+        if sample_weight is not None and not isinstance(sample_weight, torch.Tensor):
+            sample_weight, batch_sizes = None, sample_weight  # the earlier signature forward(x, y, batch_sizes)
+        shape = labels.shape
+        embeddings, labels, sample_weight = self._flatten(embeddings, labels, sample_weight)
         try:
-            verdict = self.check_batch(embeddings, labels, batch_sizes)
+            verdict = self.check_batch(embeddings, labels, batch_sizes, sample_weight=sample_weight)
         except Exception:
             self.replicas.agree_rows(None, failed=True, device=self.weight.device)  # other class groups raise too
             raise
@@ -310,13 +344,19 @@ class ClassParallelHead(nn.Module):
                                              else sum(verdict.sizes))
         total_rows = self.replicas.agree_rows(rows, device=self.weight.device)  # N of the 2-D global batch
         if total_rows is None:  # non-finite input, nonfinite="skip": agreed by every rank (and replica)
-            return torch.full((), float("nan"), device=embeddings.device)
+            return torch.full(shape if self.loss_options.reduction == "none" else (), float("nan"),
+                              device=embeddings.device)
         x, y = self.gather(embeddings, labels, verdict.sizes)  # (N, d), (N,)
-        active = self.sampler.sample(y, x.detach() if self.sampler.needs_embeddings else None, self.weight)
+        opts = self.loss_options
+        terms = self._row_terms(x, y, sample_weight, verdict.sizes)
+        ignored = y == opts.ignore_index
+        y_active = torch.where(ignored, torch.full_like(y, -1), y)  # ignored rows: nobody's positives
+        active = self.sampler.sample(y_active, x.detach() if self.sampler.needs_embeddings else None, self.weight)
         self.last_active = active
         self.measure_sampler(x, active)
         n = x.shape[0]
-        total = None
+        per_row = opts.reduction == "none"
+        parts = []
         for rows, index in active.groups():  # one group unless the sampler splits the batch
             if self.lazy_catch_up is not None:  # lazy_exact: the rows this step reads, up to date
                 self.lazy_catch_up(index, active=True)
@@ -324,12 +364,54 @@ class ClassParallelHead(nn.Module):
                 w = self.weight  # (L, d)
             else:  # (K, d); a row-sparse gradient for lazy updates
                 w = gather_rows(self.weight, index, self.update != "dense", self.workspace, distinct=True)
-            part = sharded_margin_loss(x[rows], w, active.targets[rows], self.loss_fn, self.group, self.chunk_size,
-                                       self.softmax_backend, self.workspace)
-            if active.bounds is not None:
-                part = part * ((rows.stop - rows.start) / max(n, 1))
-            total = part if total is None else total + part
-        return self.replicas.global_loss(self.flag_unchecked(total, y, verdict), n, total_rows)
+            parts.append(sharded_margin_loss(
+                x[rows], w, active.targets[rows], self.loss_fn, self.group, self.chunk_size, self.softmax_backend,
+                self.workspace, terms.slice(rows.start or 0, rows.stop if rows.stop is not None else n),
+                "none" if per_row else "sum", sum_grad_rows=self.input_parallel == "data"))
+        self.last_lse = self._own_rows(terms.lse_out, verdict.sizes).reshape(shape)
+        if per_row:  # (N,) -> this rank's rows, the labels' shape
+            out = self._own_rows(torch.cat(parts) if len(parts) > 1 else parts[0], verdict.sizes).reshape(shape)
+            return self.flag_unchecked(out, y, verdict)
+        total = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+        total = self.flag_unchecked(total, y, verdict)
+        weight_sum = terms.weight.sum()
+        if opts.reduction == "sum" or total_rows == 0:  # no rows at all (known on the host): a zero loss, as ever
+            return self.replicas.global_sum(total)
+        if self.replicas.active:
+            return self.replicas.global_mean(total, weight_sum)
+        return mean_of(total, weight_sum)
+
+    def _flatten(self, embeddings, labels, sample_weight):
+        """Sequences (B, T, d) / (B, T) -> rows (B T, d) / (B T,); a shape that does not match is left for the
+        input check (which raises on every rank)."""
+        if embeddings.dim() == 3 and labels.dim() == 2 and tuple(embeddings.shape[:2]) == tuple(labels.shape):
+            embeddings, labels = embeddings.reshape(-1, embeddings.shape[-1]), labels.reshape(-1)  # (B T, d), (B T,)
+            if sample_weight is not None and sample_weight.dim() == 2:
+                sample_weight = sample_weight.reshape(-1)
+        return embeddings, labels, sample_weight
+
+    def _row_terms(self, x, y, sample_weight, sizes) -> RowTerms:
+        """The rows' weights v (N,) (sample weights, all-gathered; 0 where ignored) and the loss options."""
+        opts = self.loss_options
+        sd = torch.float64 if self.weight.dtype == torch.float64 else torch.float32
+        v = (y != opts.ignore_index).to(sd)  # (N,)
+        if sample_weight is not None:
+            sw = sample_weight.detach().to(sd)
+            if self.input_parallel != "replicated":  # (N,), in the rows' rank order
+                uneven = sizes if len(set(sizes)) > 1 else None
+                sw = all_gather_no_grad(sw, self.group, uneven) if self.node_gather is None \
+                    else self.node_gather.gather(sw, uneven)
+            v = v * sw
+        lse = torch.empty(x.shape[0], dtype=sd, device=x.device)  # (N,)
+        return RowTerms(weight=v, smoothing=opts.label_smoothing, z_loss=opts.z_loss, softcap=opts.softcap,
+                        num_classes=self.num_classes, lse_out=lse, signed=sample_weight is not None)
+
+    def _own_rows(self, t: torch.Tensor, sizes) -> torch.Tensor:
+        """This rank's rows of a gathered (N,) tensor (all of them with replicated input); detached for lse."""
+        if self.input_parallel == "replicated":
+            return t
+        start = sum(sizes[: self.rank])
+        return t[start: start + sizes[self.rank]]
 
     # ------------------------------------------------------------------ sampler upkeep and metrics
     def rebuild_index(self) -> None:

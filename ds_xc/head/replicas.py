@@ -14,10 +14,11 @@ What this module adds to a step (the class group's work is the 1-D head's, uncha
   [n, skipped, failed], so every class group learns N and whether another one skips the
   step (non-finite input) or raised (bad input): nobody waits in a collective that a
   failed group never enters.
-* :meth:`Replicas.global_loss`: the class group's mean over its n rows is weighted by n / N
-  (so the embedding and weight gradients are those of the global mean); its value is then
-  the sum of the weighted means over the replica group (a no-grad all-reduce), the global
-  mean, the same on every rank.
+* :meth:`Replicas.global_mean`: the class group's weighted sum of its rows' losses is divided by
+  the global batch's weight (N rows, less the ignored, times the sample weights), which rides
+  with that sum in one all-reduce over the replica group (so the embedding and weight gradients
+  are those of the global mean); its value is the global mean, the same on every rank
+  (:meth:`Replicas.global_sum` for reduction "sum").
 * :meth:`Replicas.reduce_grad_`: the shard gradients of the replicas summed (each is
   already the gradient of its n / N share, so the sum is the global mean's gradient; with
   equal batches the mean of the replicas' local-mean gradients). A row-sparse gradient
@@ -35,6 +36,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ds_xc.head.row_terms import mean_of
 from ds_xc.parallel.collectives import all_gather_no_grad, gather_stacked
 from ds_xc.parallel.groups import group_rank, group_ranks, group_size, is_distributed, resolve_group
 
@@ -75,16 +77,26 @@ class Replicas:
                              f"{group_ranks(self.group)} (replica {self.rank}); see the error on those ranks")
         return None if skipped else int(total)
 
-    def global_loss(self, loss: torch.Tensor, rows: int, total_rows: int) -> torch.Tensor:
-        """The class group's mean ``loss`` over its ``rows`` -> the global-batch mean over
-        ``total_rows``: gradients scaled by rows / N (the group's share), the value summed over
-        the replica group (no gradient through that sum)."""
+    def global_mean(self, total: torch.Tensor, weight_sum: torch.Tensor) -> torch.Tensor:
+        """The class group's weighted sum ``total`` of its rows' losses and their weight ``weight_sum``
+        (rows for an unweighted batch; ignored rows weigh 0) -> the global-batch mean: one all-reduce of
+        [total, weight] over the replica group; the value is sum total / sum weight, the gradients those
+        of total / sum weight (the group's share). NaN without gradients when every row is ignored."""
         if not self.active:
-            return loss
-        part = loss * (rows / max(total_rows, 1))
-        value = part.detach().clone()
+            return mean_of(total, weight_sum)
+        both = torch.stack([total.detach(), weight_sum.to(total.dtype)])  # (2,)
+        dist.all_reduce(both, op=dist.ReduceOp.SUM, group=self.group)
+        part = mean_of(total, both[1])
+        return part + (mean_of(both[0], both[1]) - part.detach())
+
+    def global_sum(self, total: torch.Tensor) -> torch.Tensor:
+        """The class group's sum ``total`` -> the global batch's (the value all-reduced over the replica
+        group, the gradients those of the group's own rows)."""
+        if not self.active:
+            return total
+        value = total.detach().clone()
         dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.group)
-        return part + (value - part.detach())
+        return total + (value - total.detach())
 
     @torch.no_grad()
     def reduce_grad_(self, weight: torch.Tensor) -> None:

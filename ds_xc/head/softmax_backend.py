@@ -77,11 +77,18 @@ def triton_usable(device: torch.device) -> tuple[bool, str]:
     return True, ""
 
 
-def resolve_softmax(backend: str, x: torch.Tensor, w: torch.Tensor) -> Optional[Callable]:
+def resolve_softmax(backend: str, x: torch.Tensor, w: torch.Tensor, terms=None) -> Optional[Callable]:
     """The Triton entry point when ``backend`` selects it for these tensors, None for the
-    PyTorch path. ``triton`` that cannot run raises ValueError naming the key."""
+    PyTorch path. ``triton`` that cannot run raises ValueError naming the key. The kernels take
+    every loss option (ds_xc/head/row_terms.py) but ``softcap``: 'triton' refuses it, 'auto' runs
+    the PyTorch path for it."""
     check_backend(backend)
     if backend == "torch":
+        return None
+    if terms is not None and terms.softcap:
+        if backend == "triton":
+            raise ValueError(f"{KEY} = 'triton' does not support extreme_classification.loss.softcap "
+                             f"(got {terms.softcap}); use softmax_backend 'torch' or 'auto', or softcap 0")
         return None
     dtype_ok = x.dtype in _SUPPORTED and w.dtype in _SUPPORTED
     if backend == "triton":

@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 
 from ds_xc.head.margins import TargetLoss
+from ds_xc.head.row_terms import DEFAULT_TERMS, RowTerms
 from ds_xc_ops.triton_util import device_guard, interpreting
 from ds_xc.head.softmax import Reducer, finish_weight_grad, inverse_row_norms, merge_row_stats
 
@@ -204,31 +205,65 @@ def _prepare(x, w, targets, loss: TargetLoss, rw) -> _Rows:
                  float(loss.scale) if loss.normalised else 1.0)
 
 
-def _combine(m_loc, l_loc, r: _Rows, loss: TargetLoss, red: Reducer):
+def _combine(m_loc, l_loc, r: _Rows, loss: TargetLoss, red: Reducer, terms: RowTerms, zsum):
     """Class-parallel merge of the local row stats, as the PyTorch path: one all-gather of
-    [row max, sum-exp against it, target term], merged by :func:`merge_row_stats`. Returns
-    (rows (N,), lse (N,), gt (N,)): the loss rows, the log partition function and d row / d c
-    at the target."""
+    [row max, sum-exp against it, target term, (smoothing) logit sum], merged by
+    :func:`merge_row_stats`. Returns (weighted rows (N,), lse (N,), a (N,), gt (N,)): the loss
+    rows v_i row_i, the log partition function, each row's factor a_i = v_i (1 + 2 z_loss lse_i) of its
+    probabilities in the gradient, and v_i d row / d c at the target."""
     zero = torch.zeros((), dtype=torch.float32, device=m_loc.device)
     target = r.c_t if loss.separate_target else torch.where(r.has_t, r.zt, zero)
-    local = torch.stack([m_loc, l_loc, target.to(m_loc.dtype)], 1)  # (N, 3)
-    m, sumexp, target = merge_row_stats(red.gather(local).result(), loss.separate_target)
+    cols = [m_loc, l_loc, target.to(m_loc.dtype)] + ([zsum.to(m_loc.dtype)] if terms.smoothing else [])
+    m, sumexp, target, *zs = merge_row_stats(red.gather(torch.stack(cols, 1)).result(), loss.separate_target)
     lse = m + torch.log(sumexp)
-    if loss.separate_target:
-        intra, gt = loss.target_term(target)
-        rows = lse + intra
-    else:
-        rows = lse - target
-        gt = (torch.exp(r.zt - lse) - 1.0) * r.dz_t  # (N,)
+    rows, d_intra = terms.rows(lse, target, zs[0] if zs else None, loss)
+    v = terms.weight
+    rows = terms.record(rows, lse, v)
+    pfac = 1.0 + 2.0 * terms.z_loss * lse if terms.z_loss else torch.ones_like(lse)
+    p_t = None if loss.separate_target else torch.exp(r.zt - lse)
+    gt = terms.target_grad(p_t, pfac, r.dz_t, r.scale, d_intra, loss)
+    if v is not None:
+        gt, pfac = gt * v, pfac * v
     gt = torch.where(r.has_t, gt, zero).float().contiguous()
-    return rows, lse.contiguous(), gt
+    return rows, lse.contiguous(), pfac, gt
+
+
+def _signed_gradients(x, w, r: _Rows, lse, a, gt, need_gx, need_gw, gw, tiles, signed: bool):
+    """The backward kernel for per-row factors ``a`` (N,) (off the target: scale p_ij a_i) and target terms
+    ``gt``: the kernel's exp(z - lse_k) with lse_k = lse - log a takes a > 0 only, so rows whose factor may
+    be negative (``signed``: sample weights, or reduction none's upstream gradient) run in a second launch
+    with |a| and -gt, subtracted (gw through a scratch). Returns A (N, d) fp32 or None; adds into gw."""
+    def lse_for(f):
+        return torch.where(f > 0, lse - torch.log(f.clamp_min(1e-30)), float("inf")).float().contiguous()
+    if not signed:
+        return _gradients(x, w, r.rx, r.rw, r.t32, lse_for(a), gt, need_gx, need_gw, gw, tiles, r.scale)
+    neg = a < 0
+    zero = torch.zeros_like(gt)
+    pos_gt = torch.where(neg, zero, gt).contiguous()
+    out = _gradients(x, w, r.rx, r.rw, r.t32, lse_for(a), pos_gt, need_gx, need_gw, gw, tiles, r.scale)
+    scratch = torch.zeros_like(gw) if need_gw else None
+    back = _gradients(x, w, r.rx, r.rw, r.t32, lse_for(-a), torch.where(neg, -gt, zero).contiguous(), need_gx,
+                      need_gw, scratch, tiles, r.scale)
+    if need_gw:
+        gw -= scratch
+    return None if out is None else out - back
+
+
+def _logit_sums(x, w, r: _Rows, loss: TargetLoss):
+    """(N,) the sum of this shard's logits per row (the target's with its margin) and (d,) the column
+    sum sum_j rw_j w_j it is made of, in torch: O((N + K) d), no pass over the logits."""
+    wsum = (w.float() * r.rw[:, None]).sum(dim=0)  # (d,)
+    zsum = r.scale * r.rx * (x.float() @ wsum)  # (N,)
+    if not loss.separate_target:  # the target's logit with its margin instead of s c_t
+        zsum = zsum + torch.where(r.has_t, r.zt - r.scale * r.c_t, torch.zeros_like(zsum))
+    return zsum, wsum
 
 
 def triton_fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, loss: TargetLoss,
                                 group=None, chunk_size: int = 0, need_gx: bool = True, need_gw: bool = True,
                                 *, rw: Optional[torch.Tensor] = None, gw: Optional[torch.Tensor] = None,
                                 accumulate: bool = False, finish: bool = True,
-                                tiles: Optional[TileConfig] = None):
+                                tiles: Optional[TileConfig] = None, terms: Optional[RowTerms] = None):
     """Sum of the N loss rows and its gradients, as :func:`ds_xc.head.softmax.fused_loss_and_grads`.
 
     x (N, d) and w (K, d) fp32, bf16 or fp16 (x is cast to a 16-bit w's dtype first, as the PyTorch
@@ -236,8 +271,12 @@ def triton_fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch
     column of each row's class in w, or -1 where it lives on another rank of ``group``.
     Returns (total: fp32 scalar, gx (N, d) fp32 or None, gw (K, d) fp32 or None). ``rw``,
     ``gw``, ``accumulate`` and ``finish`` mean what they mean there; ``tiles`` overrides
-    :func:`default_tiles`. Every rank of ``group`` must call it with the same N.
+    :func:`default_tiles`. Every rank of ``group`` must call it with the same N. ``terms``: the
+    per-row terms (weights, label smoothing, z-loss; softcap is refused by ``resolve_softmax``).
     """
+    terms = DEFAULT_TERMS if terms is None else terms
+    if terms.softcap:
+        raise ValueError("the Triton softmax kernels do not support extreme_classification.loss.softcap")
     _check(x, w, targets, gw, accumulate)
     if w.dtype in (torch.bfloat16, torch.float16) and x.dtype != w.dtype:
         x = x.to(w.dtype)  # as the PyTorch path (x.to(w.dtype)): one 16-bit tile type, on tensor cores
@@ -250,7 +289,10 @@ def triton_fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch
     else:
         m_loc = torch.full((n,), -1.0e30, dtype=torch.float32, device=dev)
         l_loc = torch.zeros(n, dtype=torch.float32, device=dev)
-    rows, lse, gt = _combine(m_loc, l_loc, r, loss, Reducer(group))
+    zsum = wsum = None
+    if terms.smoothing:
+        zsum, wsum = _logit_sums(x, w, r, loss)
+    rows, lse, a_rows, gt = _combine(m_loc, l_loc, r, loss, Reducer(group), terms, zsum)
     total = rows.sum()
     if need_gw and gw is None:
         gw = torch.empty((k, w.shape[1]), dtype=torch.float32, device=dev)  # (K, d)
@@ -260,7 +302,16 @@ def triton_fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch
         return total, None, None
     a = None
     if n and k:
-        a = _gradients(x, w, r.rx, r.rw, r.t32, lse, gt, need_gx, need_gw, gw, tiles, r.scale)  # (N, d)
+        a = _signed_gradients(x, w, r, lse, a_rows, gt, need_gx, need_gw, gw, tiles, terms.signed)  # (N, d)
+    if terms.smoothing:  # the rank-1 term -b_i s rw_j of every entry (the kernel's gt holds the target's rest)
+        b = torch.full_like(lse, terms.smoothing / terms.num_classes)
+        if terms.weight is not None:
+            b = b * terms.weight.float()
+        if need_gx and a is not None:
+            a = a - (r.scale * b)[:, None] * wsum[None, :]
+        if need_gw and n:
+            bx = (b[:, None] * x.float() * r.rx[:, None]).sum(dim=0)  # (d,)
+            gw.addcmul_((r.scale * r.rw)[:, None], bx[None, :], value=-1.0)
     gx = None
     if need_gx:
         gx = a if a is not None else torch.zeros(x.shape, dtype=torch.float32, device=dev)

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ds_xc import config as cfg
+from ds_xc.head.row_terms import RowTerms, mean_of
 from ds_xc.head.softmax import finish_weight_grad, fused_loss_and_grads, inverse_row_norms
 from ds_xc.overlap.comm import PendingGather, PendingReduceScatter, split_sizes
 from ds_xc.parallel.timeline import Timeline
@@ -79,6 +80,10 @@ class ChunkedHeadSchedule:
         if getattr(head, "replicas", None) is not None and head.replicas.active:  # not wired for 2-D yet
             raise ValueError("ChunkedHeadSchedule: the head has a replica group (2-D layout); the overlap schedule "
                              "runs 1-D heads only (replica_group=None); run the 2-D head's own forward")
+        if head.loss_options.reduction == "none":  # per-row losses need the rows' upstream gradient: no schedule
+            raise ValueError(f"ChunkedHeadSchedule: {cfg.HEAD_SECTION}.loss.reduction='none' is not supported by the "
+                             "overlap schedule (it hands the backbone its gradient itself); use 'mean' or 'sum', or "
+                             "the head's own forward")
         self.head, self.num_chunks, self.overlap = head, int(num_chunks), bool(overlap)
         self.timeline = timeline if timeline is not None else Timeline(head.weight.device)
         self.comm_group = comm_group if comm_group is not None else side_group(head.group)
@@ -183,7 +188,9 @@ class ChunkedHeadSchedule:
         sampler = head.sampler
         if sampler.needs_embeddings:  # the active set depends on every row's embedding: wait for all
             x_serial = self._assemble(gathers, gathered, positions, n)
-        active = sampler.sample(y, x_serial, head.weight)
+        terms, lse_all, denom = self._row_terms(y, n)
+        active = sampler.sample(torch.where(y == head.loss_options.ignore_index, torch.full_like(y, -1), y),
+                                x_serial, head.weight)  # ignored rows: nobody's positives
         head.last_active = active
         if head.lazy_catch_up is not None:  # update lazy_exact: the rows read below, up to date
             for _, index in active.groups():
@@ -193,7 +200,8 @@ class ChunkedHeadSchedule:
         norms = [inverse_row_norms(w, head.loss_fn) for _, _, w in groups]  # (K,) once per step, not per chunk
         gw_sum: list = [None] * len(groups)  # (K, d) accumulators, normalisation backward applied at the end
         total = torch.zeros((), dtype=torch.float64, device=device)
-        inv_local = head.world_size / max(n, 1)  # P * d(global mean)/d(own rows), as the serial path
+        safe = torch.where(denom != 0, denom, torch.ones_like(denom))  # all ignored: NaN loss, zero gradients
+        inv_local = head.world_size / safe  # P * d(global mean)/d(own rows), as the serial path
         last_local = max((c for c in range(C) if per_chunk[c][head.rank] > 0), default=-1)
 
         pending: list = []  # (chunk, PendingReduceScatter) not yet consumed by the backbone
@@ -202,7 +210,8 @@ class ChunkedHeadSchedule:
                 continue
             xc = gathered[c] if gathered[c] is not None else gathers[c].wait()  # (N_c, d)
             gathered[c] = xc if x_serial is None and self._keep_for_metrics() else None
-            gx = self._chunk(xc, positions[c].to(device), active, groups, norms, gw_sum, need_gx, need_gw, total)
+            gx = self._chunk(xc, positions[c].to(device), active, groups, norms, gw_sum, need_gx, need_gw, total,
+                             terms, lse_all)
             if need_gx:
                 pending.append((c, PendingReduceScatter(gx, per_chunk[c], head.rank, self.comm_group, tl,
                                                         blocking=blocking)))
@@ -219,12 +228,15 @@ class ChunkedHeadSchedule:
             for (_, _, w), rw, gw in zip(groups, norms, gw_sum):
                 if gw is not None:
                     finish_weight_grad(gw, w, rw, head.loss_fn)
-            self._deliver_weight_grad(groups, gw_sum, weight_grad_scale / max(n, 1))
+            self._deliver_weight_grad(groups, gw_sum, weight_grad_scale / safe)
         if self._keep_for_metrics():
             if x_serial is None:
                 x_serial = self._assemble(gathers, gathered, positions, n)
             head.measure_sampler(x_serial, active)
-        loss = (total / max(n, 1)).to(head.weight.dtype if head.weight.dtype == torch.float64 else torch.float32)
+        loss = mean_of(total, denom.to(total.dtype)) if head.loss_options.reduction == "mean" else total
+        loss = loss.to(head.weight.dtype if head.weight.dtype == torch.float64 else torch.float32)
+        start = sum(verdict.sizes[: head.rank])
+        head.last_lse = lse_all[start: start + verdict.sizes[head.rank]]  # (B,) this rank's rows
         loss = head.flag_unchecked(loss, y, verdict)
         if own_step:
             tl.end_step()
@@ -267,7 +279,19 @@ class ChunkedHeadSchedule:
             a += b
         return out
 
-    def _chunk(self, xc, pos, active, groups, norms, gw_sum, need_gx, need_gw, total):
+    def _row_terms(self, y: torch.Tensor, n: int):
+        """The loss options of the step: RowTerms with the rows' weights (N,) (0 where ignored), the (N,)
+        lse buffer, and the mean's denominator (the non-ignored rows; 1 for reduction 'sum')."""
+        head = self.head
+        opts = head.loss_options
+        sd = torch.float64 if head.weight.dtype == torch.float64 else torch.float32
+        v = (y != opts.ignore_index).to(sd)  # (N,)
+        terms = RowTerms(weight=v, smoothing=opts.label_smoothing, z_loss=opts.z_loss, softcap=opts.softcap,
+                         num_classes=head.num_classes)
+        denom = v.sum() if opts.reduction == "mean" and n else torch.ones((), dtype=sd, device=v.device)
+        return terms, torch.empty(n, dtype=sd, device=v.device), denom
+
+    def _chunk(self, xc, pos, active, groups, norms, gw_sum, need_gx, need_gw, total, terms, lse_all):
         """Loss rows and gradients of one chunk; returns the chunk's embedding gradient (N_c, d) (row sums).
         The active rows' gradients accumulate in ``gw_sum`` (one (K, d) buffer per group)."""
         head = self.head
@@ -284,10 +308,14 @@ class ChunkedHeadSchedule:
                     continue
                 sel = sel.to(xc.device)
                 xs, ts = xc[sel], targets[sel]
+            rows_at = pos if sel is None else pos[sel]  # (n,) the rows' places in the global batch
+            lse = torch.empty(rows_at.shape[0], dtype=lse_all.dtype, device=lse_all.device)
+            part = terms.but(weight=terms.weight[rows_at], lse_out=lse)
             rows_total, gx, gw = fused_loss_and_grads(xs, w, ts, head.loss_fn, head.group, head.chunk_size,
                                                       need_gx, need_gw, rw=norms[g], gw=gw_sum[g],
                                                       accumulate=gw_sum[g] is not None, finish=False,
-                                                      backend=head.softmax_backend)
+                                                      backend=head.softmax_backend, terms=part)
+            lse_all[rows_at] = lse
             total += rows_total.to(total.dtype)
             gw_sum[g] = gw
             if sel is None:

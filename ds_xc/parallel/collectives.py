@@ -25,7 +25,7 @@ from ds_xc.parallel.groups import comm_device, group_rank, group_size, is_distri
 
 __all__ = ["all_gather_rows", "all_gather_no_grad", "replicated_rows", "exchange_sizes", "gather_flat",
            "reduce_scatter_flat", "PaddedGather", "PaddedReduceScatter", "gather_stacked", "merge_topk",
-           "all_reduce_mean_", "PendingMean", "scale_grad", "allreduce_bytes"]
+           "all_reduce_mean_", "all_reduce_sum_", "PendingMean", "scale_grad", "allreduce_bytes"]
 
 def _flat_collective(new_name: str, old_name: str):
     """torch 2.13 renamed the flat-tensor collectives; older torch (>= 2.4) has the old names. Looked up at
@@ -158,6 +158,13 @@ class PendingMean:
 def allreduce_bytes(num_bytes: int, world: int) -> int:
     """Bytes one rank sends (and receives) in a ring all-reduce of ``num_bytes``: 2 (P-1)/P of them."""
     return 2 * (world - 1) * num_bytes // world if world > 1 else 0
+
+
+def all_reduce_sum_(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """``tensor`` becomes its sum over ``group``, in place (a no-op with one process); returns it."""
+    if is_distributed(group):
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
 
 
 def all_reduce_mean_(tensor: torch.Tensor, group=None, async_op: bool = False) -> PendingMean:
