@@ -62,7 +62,7 @@ def _check_window(xc) -> None:
     """Refuse a save inside a gradient-accumulation window: the gradients accumulated so far are not part
     of a checkpoint, so a resume would start the window over and silently lose those micro-steps."""
     gas = int(xc.engine.gradient_accumulation_steps())
-    done = int(xc.engine.micro_steps) % gas
+    done = int(getattr(xc.engine, "micro_steps", 0)) % gas  # DeepSpeed counts every engine.step() call
     if done:
         raise RuntimeError(
             f"save_checkpoint at global step {xc.global_steps}: inside a gradient-accumulation window ({done} of "
