@@ -296,3 +296,27 @@ def test_data_stream_addressing_from_a_sample_offset():
     x, y = data.train_batch(0, 8, 2, 3, sample_offset=64)
     x_ref, y_ref = data.train_batch(10, 8, 0, 1)  # samples 64 + 2 * 8 = 80..87, on one rank
     assert torch.equal(x, x_ref) and torch.equal(y, y_ref)
+
+
+def test_samplers_and_head_optimizers_refuse_state_of_another_kind_before_changing_anything():
+    """Used directly (head.load_state_dict, optimizer.load_state_dict), not only through a resume."""
+    from ds_xc.head import ClassParallelHead
+    from ds_xc.head.optim import HeadAdamW, HeadSGD
+    uniform = ClassParallelHead(6, 23, sampler={"type": "uniform", "sample_rate": 0.5}, update="lazy")
+    for sampler, name in ((dict(ANN), "ANN"), ({"type": "knn", "sample_rate": 0.5, "neighbors": 3}, "kNN")):
+        head = ClassParallelHead(6, 23, sampler=sampler, update="lazy", seed=5)
+        w, steps = head.weight.detach().clone(), head.sampler.steps
+        with pytest.raises(ValueError, match=rf"{name} sampler state without \['steps'"):
+            head.load_state_dict(uniform.state_dict())
+        assert torch.equal(head.weight, w) and head.sampler.steps == steps
+    p_sgd, p_adamw = torch.nn.Parameter(torch.ones(3, 2)), torch.nn.Parameter(torch.ones(3, 2))
+    sgd, adamw = HeadSGD([p_sgd], lr=0.1, momentum=0.9), HeadAdamW([p_adamw], lr=0.1)
+    for p, opt in ((p_sgd, sgd), (p_adamw, adamw)):
+        p.grad = torch.ones(3, 2)
+        opt.step()
+    for target, source, missing in ((adamw, sgd, "'betas'"), (sgd, adamw, "'momentum'")):
+        before = {k: v.clone() for k, v in target.state[target.param_groups[0]["params"][0]].items()}
+        with pytest.raises(ValueError, match=f"saved by another head optimizer .* no {missing}"):
+            target.load_state_dict(source.state_dict())
+        after = target.state[target.param_groups[0]["params"][0]]
+        assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
