@@ -3,6 +3,8 @@
     deepspeed launch/train.py                                   # configs/default.json, 1 process
     deepspeed --num_gpus 2 launch/train.py --deepspeed_config configs/X.json
     torchrun --nproc_per_node 2 launch/train.py --max_steps 100
+    deepspeed launch/train.py --save_dir ckpt --max_steps 2000 --resume   # from ckpt/latest (must exist)
+    deepspeed launch/train.py --save_dir ckpt --resume auto                # from ckpt/latest, or from step 0
 
 The DeepSpeed JSON holds the engine's sections, the head (``extreme_classification``)
 and this job (``xc_train``); the flags below override the file. Only rank 0 prints.
