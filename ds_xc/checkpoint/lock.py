@@ -28,7 +28,7 @@ from ds_xc.checkpoint.files import CheckpointError
 log = logging.getLogger(__name__)
 
 __all__ = ["LOCK_PREFIX", "lock_file", "read_lock", "lock_is_stale", "lock_is_held", "acquire_save_lock",
-           "release_save_lock"]
+           "release_save_lock", "remove_stale_lock"]
 
 LOCK_PREFIX = ".lock_"
 
@@ -80,6 +80,27 @@ def lock_is_held(save_dir: str, tag: str) -> bool:
     """Whether a live saver (or one this host cannot check) holds the lock of ``tag``."""
     info = read_lock(lock_file(save_dir, tag))
     return info is not None and not (info and lock_is_stale(info))
+
+
+def remove_stale_lock(save_dir: str, tag: str) -> bool:
+    """Remove the lock of ``tag`` if its holder is a process of this host that no longer runs (a killed
+    save of that tag); returns whether it did. Moved aside first and checked again, so a lock another
+    process took over meanwhile is put back."""
+    path = lock_file(save_dir, tag)
+    info = read_lock(path)
+    if not info or not lock_is_stale(info):
+        return False
+    aside = f"{path}.stale_{uuid.uuid4().hex}"
+    try:
+        os.replace(path, aside)
+    except FileNotFoundError:
+        return False
+    if read_lock(aside) != info:  # replaced by a live taker between the two reads: give it back
+        with contextlib.suppress(OSError):
+            os.link(aside, path)
+    os.remove(aside)
+    log.info("removed the stale save lock of tag %r in %s (%s)", tag, save_dir, _describe(info))
+    return True
 
 
 def _describe(info: dict) -> str:

@@ -21,7 +21,7 @@ from typing import Optional
 from ds_xc.checkpoint import (CheckpointError, apply_head_state, atomic_save, fsync_tree, publish_tag,
                               read_head_state, resolve_tag, save_head_state)
 from ds_xc.checkpoint.options import compare_head_options, head_options
-from ds_xc.checkpoint.lock import acquire_save_lock, lock_is_held, release_save_lock
+from ds_xc.checkpoint.lock import LOCK_PREFIX, acquire_save_lock, lock_is_held, release_save_lock, remove_stale_lock
 from ds_xc.checkpoint.shared import check_shared_dir
 from ds_xc.engine.rng import apply_rng_state, read_rng_state, rng_file, rng_state
 from ds_xc.manifest import verify_manifest_all_ranks, write_manifest_all_ranks
@@ -73,8 +73,11 @@ def _check_window(xc) -> None:
 
 def _clear_staging(save_dir: str, tag: str) -> None:
     """Remove staging folders left by killed saves: this tag's (its lock is ours now), and other tags' whose
-    save lock no live process holds (a concurrent job's save of another tag is left alone)."""
+    save lock no live process holds (a concurrent job's save of another tag is left alone); and the locks
+    that killed saves of other tags left."""
     for name in os.listdir(save_dir):
+        if name.startswith(LOCK_PREFIX) and ".stale_" not in name and name != LOCK_PREFIX + tag:
+            remove_stale_lock(save_dir, name[len(LOCK_PREFIX):])
         if name.startswith(STAGING_PREFIX):
             other = name[len(STAGING_PREFIX):]
             if other == tag or not lock_is_held(save_dir, other):
