@@ -27,7 +27,7 @@ from ds_xc.parallel.groups import group_rank, group_size, is_distributed
 log = logging.getLogger(__name__)
 
 __all__ = ["MANIFEST_FILE", "list_files", "hash_files", "write_manifest", "read_manifest", "check_files",
-           "write_manifest_all_ranks", "verify_manifest_all_ranks", "raise_if_disk_full"]
+           "verify_manifest", "write_manifest_all_ranks", "verify_manifest_all_ranks", "raise_if_disk_full"]
 
 MANIFEST_FILE = "ds_xc_manifest.json"
 
@@ -104,6 +104,22 @@ def check_files(tag_dir: str, files: dict, names: list) -> list:
         elif got["sha256"] != want["sha256"]:
             problems.append(f"{path!r} does not match its sha256 in the manifest (damaged)")
     return problems
+
+
+def verify_manifest(tag_dir: str, tool: str) -> bool:
+    """Check every file of ``tag_dir`` against its manifest in this process (launch/export.py,
+    launch/reshard.py: file tools, no process group); a problem raises CheckpointError naming the file.
+    Returns False (with a warning) for a tag written before ds_xc checksummed its checkpoints."""
+    files = read_manifest(tag_dir)
+    if files is None:
+        log.warning("%s: %s has no %s (written before ds_xc checksummed its checkpoints): file checksums are "
+                    "not verified", tool, tag_dir, MANIFEST_FILE)
+        return False
+    problems = check_files(tag_dir, files, sorted(files))
+    if problems:
+        raise CheckpointError(f"checkpoint {tag_dir!r} fails its checksums ({MANIFEST_FILE}); {tool} refused it "
+                              "and wrote nothing: " + "; ".join(problems))
+    return True
 
 
 _FULL_BYTES = 1 << 20  # a file system with less free space than this counts as full

@@ -5,9 +5,11 @@
 
 One file holds ``weight`` (C, d) and the format tag; with ``--max_shard_rows R`` the rows go
 into ``OUT/head-IIIII-of-NNNNN.{safetensors,pt}`` blocks of at most R rows, listed (first
-class, row count, sha256) in ``OUT/head.index.json``. safetensors is used when it is
-installed (``--format`` chooses), otherwise ``torch.save`` of plain tensors, which
-``torch.load(weights_only=True)`` reads. Read it back, whole or one rank's rows, with
+class, row count, sha256) in ``OUT/head.index.json``. The format follows ``--format``, else the
+name of ``--out`` (``.safetensors`` / ``.pt``), else safetensors when it is installed and
+``torch.save`` of plain tensors (which ``torch.load(weights_only=True)`` reads) otherwise;
+safetensors asked for but not installed is an error before any work. The checkpoint's files
+are checked against its sha256 manifest first (a damaged shard is refused, nothing written). Read it back, whole or one rank's rows, with
 ``ds_xc.checkpoint.load_exported_head(path)`` / ``load_exported_into_head(head, path)``.
 One process, no process group and no collectives (started under a launcher with
 WORLD_SIZE > 1 it refuses). The checkpoint is read shard by shard (memory-mapped): a sharded export needs about one
@@ -26,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from ds_xc.checkpoint import (EXPORT_FORMAT, EXPORT_INDEX, CheckpointError, ShardRows,  # noqa: E402
                               atomic_json, atomic_save, atomic_write, file_sha256,
                               refuse_under_launcher, resolve_tag)
+from ds_xc.manifest import verify_manifest  # noqa: E402
 
 
 def have_safetensors() -> bool:
@@ -47,13 +50,30 @@ def write_block(weight: torch.Tensor, path: str, class_start: int, num_classes: 
                  "num_classes": num_classes}, path)
 
 
-def export(tag_dir: str, out: str, max_shard_rows: int = 0, fmt: str = "auto") -> dict:
-    """Write the head of checkpoint tag ``tag_dir`` to ``out``; returns what was written."""
+def resolve_format(out: str, max_shard_rows: int, fmt: str) -> str:
+    """The file format to write ("safetensors" or "pt"), checked before any work: ``--out X.safetensors``
+    or ``--format safetensors`` without the package (or ``--out X.pt`` with ``--format safetensors``) is an
+    error that says what to install or pass. ``auto`` follows the name of a single ``--out`` file, else
+    takes safetensors when it is installed and pt otherwise."""
+    named = None if max_shard_rows else next((f for f in ("safetensors", "pt") if out.endswith("." + f)), None)
     if fmt == "auto":
-        fmt = "safetensors" if have_safetensors() else "pt"
+        fmt = named or ("safetensors" if have_safetensors() else "pt")
+    if named is not None and named != fmt:
+        raise CheckpointError(f"--out {out!r} names a .{named} file but --format is {fmt}; make them agree")
     if fmt == "safetensors" and not have_safetensors():
-        raise CheckpointError("--format safetensors: the safetensors package is not installed "
-                              "(pip install safetensors, or use --format pt)")
+        raise CheckpointError(f"{'--out ' + repr(out) if named else '--format safetensors'}: the safetensors package "
+                              "is not installed: pip install safetensors (or write torch's format: --format pt, "
+                              "--out NAME.pt); nothing was read or written")
+    return fmt
+
+
+def export(tag_dir: str, out: str, max_shard_rows: int = 0, fmt: str = "auto") -> dict:
+    """Write the head of checkpoint tag ``tag_dir`` to ``out``; returns what was written.
+
+    The tag's files are checked against its checksum manifest first (as launch/reshard.py does): a
+    truncated or bit-flipped shard is refused, naming the file, and nothing is written."""
+    fmt = resolve_format(out, max_shard_rows, fmt)
+    verify_manifest(tag_dir, "export")
     rows = ShardRows(tag_dir)
     c, d = rows.num_classes, rows.embedding_dim
     if not max_shard_rows:
@@ -98,6 +118,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     refuse_under_launcher("export")  # no collectives here: one process does all the work
     try:
+        resolve_format(args.out, args.max_shard_rows, args.fmt)  # a missing package: said before any work
         tag = resolve_tag(args.load_dir, args.tag)
         report = export(os.path.join(args.load_dir, tag), args.out, args.max_shard_rows, args.fmt)
     except (CheckpointError, FileNotFoundError, RuntimeError) as exc:

@@ -46,7 +46,7 @@ from ds_xc.checkpoint import (HEAD_DIR, CheckpointError, ShardRows, atomic_save,
 from ds_xc.compression.checkpoint import COMPRESSION_DIR, compression_file  # noqa: E402
 from ds_xc.head.partition import shard_range  # noqa: E402
 from ds_xc.sampling.fill import mix_seed  # noqa: E402
-from ds_xc.manifest import check_files, hash_files, list_files, read_manifest, write_manifest  # noqa: E402
+from ds_xc.manifest import hash_files, list_files, verify_manifest, write_manifest  # noqa: E402
 
 MODEL_STATES = re.compile(r"^(layer_\d+-)?mp_rank_\d+_model_states\.pt$")
 ZERO_STATES = re.compile(r"zero_pp_rank_\d+.*optim_states\.pt$")
@@ -108,8 +108,11 @@ def new_shard(rows: ShardRows, rank: int, world_size: int, shared) -> dict:
         entry = {k: (v.clone() if torch.is_tensor(v) else copy.deepcopy(v)) for k, v in scalars.items()}
         entry.update({k: rows.rows(start, count, k) for k in sorted(row_keys)})
         optimizer = {"state": {0: entry} if entry else {}, "param_groups": copy.deepcopy(groups)}
-    return {"head": {"weight": rows.rows(start, count), "_extra_state": extra}, "optimizer": optimizer,
-            "class_start": start, "num_local": count, "num_classes": rows.num_classes, "world_size": world_size}
+    shard = {"head": {"weight": rows.rows(start, count), "_extra_state": extra}, "optimizer": optimizer,
+             "class_start": start, "num_local": count, "num_classes": rows.num_classes, "world_size": world_size}
+    if rows.states[0].get("options") is not None:  # the head's options, as saved (ds_xc/checkpoint/options.py)
+        shard["options"] = copy.deepcopy(rows.states[0]["options"])
+    return shard
 
 
 def reshard_head(src_tag: str, dst_tag: str, world_size: int) -> list:
@@ -206,10 +209,7 @@ def reshard(load_dir: str, out_dir: str, world_size: int, tag=None, head=None, n
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise ReshardError(f"--out_dir {out_dir!r} exists and is not empty; give a new folder")
     src_tag = os.path.join(load_dir, tag)
-    files = read_manifest(src_tag)  # checksums of the input (None: written before ds_xc had them)
-    problems = check_files(src_tag, files, sorted(files)) if files is not None else []
-    if problems:
-        raise CheckpointError(f"checkpoint {src_tag!r} fails its checksums: " + "; ".join(problems))
+    verify_manifest(src_tag, "reshard")  # checksums of the input (a tag written before them: warned)
     old_world = read_meta(src_tag)["world_size"]
     os.makedirs(out_dir, exist_ok=True)
     staging = os.path.join(out_dir, f".reshard_tmp_{tag}")
@@ -221,7 +221,7 @@ def reshard(load_dir: str, out_dir: str, world_size: int, tag=None, head=None, n
         write_manifest(staging, hash_files(staging, list_files(staging)))  # checksums of the new files
         for name in sorted(os.listdir(load_dir)):  # DeepSpeed's helper scripts (zero_to_fp32.py ...)
             path = os.path.join(load_dir, name)
-            if name != "latest" and os.path.isfile(path):
+            if name != "latest" and not name.startswith(".") and os.path.isfile(path):  # not locks, markers
                 shutil.copy2(path, os.path.join(out_dir, name))
         os.replace(staging, os.path.join(out_dir, tag))
     except BaseException:

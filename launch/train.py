@@ -3,6 +3,8 @@
     deepspeed launch/train.py                                   # configs/default.json, 1 process
     deepspeed --num_gpus 2 launch/train.py --deepspeed_config configs/X.json
     torchrun --nproc_per_node 2 launch/train.py --max_steps 100
+    deepspeed launch/train.py --save_dir ckpt --max_steps 2000 --resume   # from ckpt/latest (must exist)
+    deepspeed launch/train.py --save_dir ckpt --resume auto                # from ckpt/latest, or from step 0
 
 The DeepSpeed JSON holds the engine's sections, the head (``extreme_classification``)
 and this job (``xc_train``); the flags below override the file. Only rank 0 prints.
@@ -49,7 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num_classes", type=int, help="override extreme_classification.num_classes")
     p.add_argument("--eval_every", type=int, help="override xc_train.eval_every (0: only at the end)")
     p.add_argument("--save_dir", help="checkpoint folder (saved at the end and every xc_train.save_every)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save_dir")
+    p.add_argument("--resume", nargs="?", const="required", choices=["required", "auto"],
+                   help="continue from the latest checkpoint in --save_dir; a folder without one (empty, "
+                   "mistyped) is an error, unless `--resume auto`, which then starts from step 0 (and says so)")
     p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override any config key, e.g. --set extreme_classification.sampler.type=ann "
                    "(VALUE is read as JSON when it parses, else as a string; repeatable)")
@@ -143,6 +147,7 @@ class Job:
     gas: int = 0
     cast: Optional[torch.dtype] = None  # bf16 inputs for dense/image data when bf16 is on
     start: int = 0  # the first step to run (after a resume)
+    sample_base: int = 0  # global training samples consumed before ``start`` (the data stream's position)
     bar: Any = None  # rank 0's progress bar
     monitor: Any = None  # DeepSpeed's monitor, when enabled
     t0: float = 0.0
@@ -212,15 +217,40 @@ def _build_data(tcfg, hcfg, rank: int):
     return build_task_data(tcfg, hcfg.num_classes, rank=rank, group=dist.group.WORLD)
 
 
+def _per_step(job: Job) -> int:
+    """Global training samples one optimizer step consumes."""
+    return job.micro * job.gas * job.world
+
+
 def _resume(job: Job) -> int:
-    """The step to start from: the checkpoint's (--resume), else 0."""
-    if not job.args.resume:
+    """The step to start from: the checkpoint's (--resume), else 0; sets ``job.sample_base``.
+
+    Every rank gets the same client state (the load is agreed), so every rank refuses alike."""
+    args, max_steps = job.args, job.tcfg.max_steps
+    if not args.resume:
         return 0
-    if not job.args.save_dir:
+    if not args.save_dir:
         raise SystemExit("--resume needs --save_dir")
-    state = job.xc.load_checkpoint(job.args.save_dir)
-    start = state["step"] if state else 0
-    say(f"resumed from {job.args.save_dir} at step {start}" if state else "no checkpoint found; starting fresh")
+    state = job.xc.load_checkpoint(args.save_dir)
+    if not state:
+        why = "the folder does not exist" if not os.path.isdir(args.save_dir) else "it holds no 'latest'"
+        if args.resume != "auto":
+            raise SystemExit(f"--resume: no checkpoint in --save_dir {os.path.abspath(args.save_dir)!r} ({why}); "
+                             "check the folder name, or pass `--resume auto` to start from step 0 when there is "
+                             "no checkpoint")
+        say(f"--resume auto: no checkpoint in {args.save_dir} ({why}); starting from step 0")
+        return 0
+    start = int(state["step"])
+    if start > max_steps:
+        raise SystemExit(f"--resume: the checkpoint in {args.save_dir} is at step {start}, past max_steps="
+                         f"{max_steps} (--max_steps / xc_train.max_steps): there is nothing to train, and saving "
+                         f"would put step-{start} weights under the tag step{max_steps}. Nothing was run or saved; "
+                         f"set max_steps above {start} to continue")
+    # the data stream's position: samples consumed (saved since it existed), else the step at this batch size
+    job.sample_base = int(state.get("samples", start * _per_step(job)))
+    moved = "" if job.sample_base == start * _per_step(job) else \
+        " (another world size or batch than when saved: the data stream continues at that sample)"
+    say(f"resumed from {args.save_dir} at step {start}, data stream at sample {job.sample_base}{moved}")
     return start
 
 
@@ -252,8 +282,9 @@ def _setup(job: Job) -> Job:
 def _train_step(job: Job, step: int) -> None:
     """One optimizer step: ``gas`` micro-steps of forward, backward and xc.step()."""
     xc = job.xc
-    for m in range(job.gas):
-        x, y = job.data.train_batch(step * job.gas + m, job.micro, job.rank, job.world)
+    for m in range(job.gas):  # micro-steps counted from the resume, samples from the stream's saved position
+        x, y = job.data.train_batch((step - job.start) * job.gas + m, job.micro, job.rank, job.world,
+                                    sample_offset=job.sample_base)
         x, y = x.to(xc.engine.device), y.to(xc.engine.device)
         job.loss = xc.forward_backward(x.to(job.cast) if job.cast else x, y)  # overlapped when configured
         xc.step()
@@ -328,9 +359,17 @@ def _periodic_evaluation(job: Job, done: int) -> None:
         job.monitor.write_events([(f"Eval/{k}", v, done) for k, v in ev.items() if k.startswith("top")])
 
 
+def _samples_at(job: Job, step: int) -> int:
+    """Global training samples consumed once ``step`` steps are done."""
+    return job.sample_base + (step - job.start) * _per_step(job)
+
+
 def _save(job: Job, step: int) -> None:
+    """Checkpoint ``step``: the client state holds the step and the samples consumed (the data position,
+    which survives a reshard to another world size)."""
     if job.args.save_dir:
-        job.xc.save_checkpoint(job.args.save_dir, tag=f"step{step}", client_state={"step": step})
+        job.xc.save_checkpoint(job.args.save_dir, tag=f"step{step}",
+                               client_state={"step": step, "samples": _samples_at(job, step)})
 
 
 # ---------------------------------------------------------------------- the end
@@ -363,7 +402,10 @@ def _finish(job: Job) -> dict:
     verified = _verify(job) if hasattr(job.data, "verification_set") else {}
     final_loss = job.loss.item() if job.tcfg.max_steps > job.start else float("nan")
     job.history.append(dict(ev, step=job.tcfg.max_steps, loss=final_loss, lr=_lr(job), seconds=elapsed))
-    _save(job, job.tcfg.max_steps)
+    if job.tcfg.max_steps > job.start:
+        _save(job, job.tcfg.max_steps)
+    elif job.args.save_dir:  # resumed at max_steps: the checkpoint already holds this state
+        say(f"nothing to train (resumed at step {job.start} = max_steps); the checkpoint is not saved again")
     xc = job.xc
     summary = {"steps": job.tcfg.max_steps - job.start, "samples_per_s": job.samples / max(elapsed, 1e-9),
                "sampler": job.hcfg.sampler.type, "num_classes": job.hcfg.num_classes, "active": _active_share(job),
@@ -373,6 +415,7 @@ def _finish(job: Job) -> dict:
                "evals": job.history, "sampler_stats": xc.head.sampler_stats(),
                "compression_stats": _compression_stats(xc), "overlap_stats": xc.overlap_stats().get("mean", {}),
                "verification": verified,
+               "data_samples": {"start": job.sample_base, "end": _samples_at(job, job.tcfg.max_steps)},
                "reliability": xc.stats(), **{k: v for k, v in ev.items() if k.endswith(("_old", "_new"))},
                "ranks": _rank_report(job)}
     if job.args.summary_json and job.rank == 0:

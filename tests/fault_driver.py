@@ -16,7 +16,9 @@ Actions: ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP itself: alive, never answe
 test kills it), ``fill`` (fill the file system of ``fill`` up to its last bytes and go on, so
 that the checkpoint being saved meets a full disk), ``enospc`` (the next ``torch.save`` writes
 half its bytes, then raises ENOSPC: the fallback where no small file system can be mounted),
-``trace`` (append every phase entry as ``rank step phase`` to the file ``trace``; no fault).
+``trace`` (append every phase entry as ``rank step phase`` to the file ``trace``; no fault),
+``pause`` (wait there until the file ``release`` exists, at most 120 s: a save held open while
+a second job tries the same tag), ``none`` (no fault: a job that must stop on its own).
 Before acting it writes ``time.time()`` to the file ``stamp`` when given.
 """
 import errno
@@ -90,6 +92,10 @@ def _act() -> None:
         _fill(SPEC["fill"])
     elif action == "enospc":
         _enospc_once()
+    elif action == "pause":
+        deadline = time.time() + 120
+        while not os.path.exists(SPEC["release"]) and time.time() < deadline:
+            time.sleep(0.05)
 
 
 def _maybe_fire(point: str) -> None:

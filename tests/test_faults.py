@@ -125,18 +125,29 @@ def _stamp_time(stamp: str):
     return None
 
 
-def _job(ctx, folder, spec, save_dir=None, cfg=None):
-    """Run a 2-rank job with ``spec`` injected; returns {"codes", "logs", "pids", "stop_s", "fault_t", "hung"}."""
+def _start(ctx, folder, spec, save_dir=None, cfg=None, extra=()):
+    """Start a 2-rank job with ``spec`` injected (``extra``: more launch/train.py flags); returns its handle."""
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "cfg.json"), "w") as fh:
         json.dump(cfg or CFG, fh)
     spec = dict(spec, stamp=os.path.join(folder, "stamp"))
     argv = ["--deepspeed_config", os.path.join(folder, "cfg.json"), "--save_dir",
-            save_dir or os.path.join(folder, "ckpt")]
+            save_dir or os.path.join(folder, "ckpt")] + list(extra)
     port, logs = free_port(), [os.path.join(folder, f"rank{r}.log") for r in range(2)]
     procs = [ctx.Process(target=fault_driver.run_rank, args=(r, 2, port, spec, argv, logs[r])) for r in range(2)]
     for p in procs:
         p.start()
+    return {"procs": procs, "logs": logs, "spec": spec}
+
+
+def _job(ctx, folder, spec, save_dir=None, cfg=None, extra=()):
+    """Run a 2-rank job with ``spec`` injected; returns {"codes", "logs", "pids", "stop_s", "fault_t", "hung"}."""
+    return _wait_job(_start(ctx, folder, spec, save_dir, cfg, extra))
+
+
+def _wait_job(run):
+    """Wait for a job :func:`_start` started: every rank but a kill/stop victim must exit within the timeout."""
+    procs, logs, spec = run["procs"], run["logs"], run["spec"]
     stamp, deadline, fault_t = spec["stamp"], time.time() + 120, None
     victim = spec.get("rank") if spec.get("action") in ("kill", "stop") else None  # the others must exit
     waited = [p for r, p in enumerate(procs) if r != victim]
@@ -232,8 +243,7 @@ def _make_reference(folder, pools, cfg) -> dict:
 def reference(tmp_path_factory, pools):
     yield _make_reference(str(tmp_path_factory.mktemp("reference")), pools, CFG)
     if os.environ.get("DS_XC_FAULT_TALLY"):
-        with open(os.environ["DS_XC_FAULT_TALLY"], "w") as fh:
-            json.dump(TALLY, fh, indent=1)
+        _write_tally(os.environ["DS_XC_FAULT_TALLY"])
 
 
 @pytest.fixture(scope="module")
@@ -427,5 +437,148 @@ def test_damaged_checkpoint_files_are_refused_naming_the_file_or_load_exactly(re
                 silent.append(f"{name} {kind} at {offset} (bit {bit}), rank {r}: {what}: {detail}"[:500])
         bad = [s for s in silent if s.startswith(f"{name} {kind} at {offset} ")]
         _count("damaged file", not bad, silent_corruptions=int(bool(bad)))
+    # launch/export.py on the same damaged copies: refused naming the file (it checks the manifest), never exported
+    export = _export_tool()
+    for i, (name, kind, offset, bit) in enumerate(cases):
+        out = str(tmp_path / f"case{i}.pt")
+        try:
+            export.export(str(tmp_path / f"case{i}" / "step4"), out, fmt="pt")
+        except Exception as exc:  # the message must name the damaged file
+            ok = type(exc).__name__ == "CheckpointError" and name in str(exc) and not os.path.exists(out)
+        else:
+            ok = False
+            silent.append(f"export of {name} {kind} at {offset} (bit {bit}): exported")
+        _count("damaged file, export", ok, silent_corruptions=int(not ok))
     assert not silent, "\n".join(silent)
     assert {c[0] for c in cases} == set(files)  # every file of the checkpoint was hit at least once
+
+
+def _export_tool():
+    import importlib.util
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("ds_xc_launch_export", os.path.join(root, "launch", "export.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---------------------------------------------------------------------- issue 59: saves and resumes that lost data
+def _digests(folder: str) -> dict:
+    import hashlib
+    return {os.path.relpath(os.path.join(d, f), folder): hashlib.sha256(open(os.path.join(d, f), "rb").read()).hexdigest()
+            for d, _, files in os.walk(folder) for f in files}
+
+
+def test_two_jobs_saving_one_tag_the_second_is_refused_naming_the_holder(reference, pools, tmp_path):
+    """Job A pauses inside its publish of step4 (holding the tag's save lock); job B, same folder, saves step2 and
+    then step4: B is refused naming A's rank 0, A finishes, every tag equals the reference's and resumes exactly."""
+    ckpt, release = str(tmp_path / "ckpt"), str(tmp_path / "release")
+    slow = json.loads(json.dumps(CFG))
+    slow["xc_train"]["comm_timeout_s"] = 120  # A's rank 1 waits for its paused rank 0
+    a = _start(reference["ctx"], str(tmp_path / "a"), {"rank": 0, "at": "call:ds_xc.engine.checkpointing:publish_tag",
+                                                       "step": 4, "action": "pause", "release": release},
+               save_dir=ckpt, cfg=slow)
+    deadline = time.time() + 120
+    while _stamp_time(a["spec"]["stamp"]) is None and time.time() < deadline and all(p.is_alive() for p in a["procs"]):
+        time.sleep(0.05)
+    short = json.loads(json.dumps(slow))
+    short["xc_train"]["max_steps"] = 4
+    b = _job(reference["ctx"], str(tmp_path / "b"), {"action": "none"}, save_dir=ckpt, cfg=short)
+    open(release, "w").close()
+    job_a = _wait_job(a)
+    problems = [f"job A exit codes {job_a['codes']}"] if job_a["codes"] != [0, 0] else []
+    problems += [f"job B rank {r} exit code {c}" for r, c in enumerate(b["codes"]) if c in (0, None)]
+    holder = f"is being saved by another job: pid {job_a['pids'][0]} on host"
+    problems += [f"job B rank {r} does not name the holder" for r in range(2) if holder not in b["logs"][r]]
+    problems += [f"ranks {job_a['hung'] + b['hung']} hung"] if job_a["hung"] or b["hung"] else []
+    lost = _check_resume(reference, ckpt, f"step{STEPS}", pools)
+    lost += [f"a lock or staging folder left: {n}" for n in os.listdir(ckpt) if n.startswith((".lock_", ".staging_"))]
+    _count("two jobs saving one tag", not problems and not lost, data_lost=int(bool(lost)))
+    assert not problems + lost, "\n".join(problems + lost) + "\n" + "\n---\n".join(g[-2500:] for g in
+                                                                                  b["logs"] + job_a["logs"])
+
+
+def test_a_killed_saver_leaves_a_stale_lock_that_the_next_save_takes_over(reference, pools, tmp_path):
+    """Rank 0 killed inside its save of step4 (lock held, staging written): a resumed job saves step4 again,
+    taking the stale lock over, and ends with the reference's checkpoints."""
+    ckpt = str(tmp_path / "ckpt")
+    job = _job(reference["ctx"], str(tmp_path / "killed"), {"rank": 0, "at": "call:ds_xc.engine.checkpointing:publish_tag",
+                                                           "step": 4, "action": "kill"}, save_dir=ckpt)
+    problems = [] if os.path.exists(os.path.join(ckpt, ".lock_step4")) else ["no lock left by the killed saver"]
+    again = _job(reference["ctx"], str(tmp_path / "resumed"), {"action": "none"}, save_dir=ckpt, extra=["--resume"])
+    problems += [f"the resumed job's exit codes {again['codes']}"] if again["codes"] != [0, 0] else []
+    problems += [] if "taking over the save lock of pid" in again["logs"][0] else ["no warning naming the stale lock"]
+    lost = _check_resume(reference, ckpt, f"step{STEPS}", pools) if job["fault_t"] else ["no fault"]
+    lost += [f"left: {n}" for n in os.listdir(ckpt) if n.startswith((".lock_", ".staging_"))]
+    _count("stale save lock", not problems and not lost, hangs=int(bool(job["hung"] or again["hung"])),
+           data_lost=int(bool(lost)))
+    assert not problems + lost, "\n".join(problems + lost) + "\n" + again["logs"][0][-3000:]
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--resume", "--set", 'extreme_classification.sampler={"type": "uniform", "sample_rate": 0.5}'],
+     "sampler.type: checkpoint 'ann', this run 'uniform'"),
+    (["--resume", "--set", 'extreme_classification.optimizer={"type": "adamw", "lr": 0.003}'],
+     "optimizer.type: checkpoint 'sgd', this run 'adamw'"),
+    (["--resume", "--max_steps", "4"], f"is at step {STEPS}, past max_steps=4"),
+    (["--resume"], "(the folder does not exist)")], ids=["edited-sampler", "edited-optimizer", "smaller-max-steps",
+                                                        "mistyped-folder"])
+def test_a_resume_that_cannot_load_everything_stops_on_every_rank_and_changes_nothing(reference, tmp_path, extra,
+                                                                                       message):
+    """Refused before any step or save, on both ranks, within the timeout; the checkpoint's files unchanged."""
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(reference["ckpt"], ckpt)
+    before = _digests(ckpt)
+    save_dir = ckpt if message != "(the folder does not exist)" else ckpt + "_typo"
+    job = _job(reference["ctx"], str(tmp_path / "job"), {"action": "none"}, save_dir=save_dir, extra=extra)
+    problems = [f"rank {r} exit code {c}" for r, c in enumerate(job["codes"]) if c in (0, None)]
+    problems += [f"rank {r} does not say {message!r}" for r in range(2) if message not in job["logs"][r]]
+    problems += [f"ranks {job['hung']} hung"] if job["hung"] else []
+    lost = [] if _digests(ckpt) == before and not os.path.exists(ckpt + "_typo") else ["the checkpoint changed"]
+    _count("resume refused", not problems and not lost, hangs=int(bool(job["hung"])), data_lost=int(bool(lost)))
+    assert not problems + lost, "\n".join(problems + lost) + "\n" + job["logs"][0][-3000:]
+
+
+def test_a_read_only_checkpoint_resumes_exactly_on_two_ranks(reference, pools, tmp_path):
+    """The reference checkpoint on a read-only bind mount (chmod a-w where mounting is refused): it loads on both
+    ranks, every tag equals the reference's, the resume is exact, nothing is written."""
+    ro = str(tmp_path / "ro")
+    os.makedirs(ro)
+    mounted = subprocess.run(["mount", "--bind", reference["ckpt"], ro], capture_output=True).returncode == 0 and \
+        subprocess.run(["mount", "-o", "remount,bind,ro", ro], capture_output=True).returncode == 0
+    folder = ro if mounted else reference["ckpt"]
+    if not mounted:
+        subprocess.run(["umount", ro], capture_output=True)
+        subprocess.run(["chmod", "-R", "a-w", folder], check=False)
+        TALLY["notes_read_only"] = "read-only by chmod (mount refused)"
+    try:
+        stamp = os.stat(folder).st_mtime_ns
+        lost = _check_resume(reference, folder, f"step{STEPS}", pools)
+        lost += [] if os.stat(folder).st_mtime_ns == stamp else ["the folder was written to"]
+    finally:
+        if mounted:
+            subprocess.run(["umount", ro], check=False)
+        else:
+            subprocess.run(["chmod", "-R", "u+w", folder], check=False)
+    _count("read-only resume", not lost, data_lost=int(bool(lost)))
+    assert not lost, "\n".join(lost)
+
+
+def _write_tally(path: str) -> None:
+    """The counts as JSON at ``path`` and as a table next to it (``.md``): docs/checkpoints.md cites it."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout.strip()
+    TALLY["commit"], TALLY["command"] = head, f"DS_XC_FAULT_TALLY={path} python -m pytest -q tests/test_faults.py"
+    with open(path, "w") as fh:
+        json.dump(TALLY, fh, indent=1)
+    lines = ["# Fault injection: the tally", "",
+             f"Written by `{TALLY['command']}` (tests/test_faults.py) at commit {head}, "
+             f"seed {FAULT_SEED}; docs/checkpoints.md describes each kind.", "",
+             "| kind | injected | survived |", "|---|---|---|"]
+    lines += [f"| {k} | {v['injected']} | {v['survived']} |" for k, v in TALLY["by_kind"].items()]
+    lines += [f"| **total** | **{TALLY['injected']}** | **{TALLY['survived']}** |", "",
+              f"Silent corruptions: {TALLY['silent_corruptions']}; hangs past the timeout: {TALLY['hangs']}; "
+              f"checkpoints with data lost: {TALLY['data_lost']}."]
+    lines += [f"Note: {v}" for k, v in TALLY.items() if k.startswith("notes")]
+    with open(os.path.splitext(path)[0] + ".md", "w") as fh:
+        fh.write("\n".join(lines) + "\n")

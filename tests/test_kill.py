@@ -63,7 +63,7 @@ def _saver(save_dir, where, ready):
         xc.save_checkpoint(save_dir, tag="step2", client_state={"step": 2})
     else:  # re-save the tag `latest` names, killed while writing the head shard
         import ds_xc.engine.checkpointing as eng
-        eng.save_head_state = lambda tag_dir, head, opt: stall(os.path.join(tag_dir, "ds_xc_head", "x.pt"))
+        eng.save_head_state = lambda tag_dir, head, opt, **kw: stall(os.path.join(tag_dir, "ds_xc_head", "x.pt"))
         xc.save_checkpoint(save_dir, tag="step1", client_state={"step": 1})
 
 
@@ -102,7 +102,7 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path, where):
     assert got["step"] == 1
     for key, value in expected.items():
         assert torch.equal(got["weights"][key], value), key
-    assert got["after_save"] == ["latest", "step1", "step2"]  # the next save removed the leftovers
+    assert got["after_save"] == ["latest", "step1", "step2"]  # the next save removed the leftovers (and stale lock)
 
 
 # ---------------------------------------------------------------------- a rank that dies

@@ -54,10 +54,12 @@ def write_meta(tag_dir: str, num_classes: int, world_size: int, embedding_dim: i
     return path
 
 
-def save_head_state(tag_dir: str, head, optimizer=None) -> Optional[str]:
+def save_head_state(tag_dir: str, head, optimizer=None, options: Optional[dict] = None) -> Optional[str]:
     """Write this rank's shard (weights, extra state, optimizer state) under ``tag_dir``; returns its
     path, or None on a replica > 0 of a 2-D layout (replica 0 writes the shard it shares; collective
-    over the replica group, which gathers every replica's sampler state into that file)."""
+    over the replica group, which gathers every replica's sampler state into that file). ``options``:
+    the head's configuration as plain data (ds_xc/checkpoint/options.py), recorded so that a resume
+    with other options can say what differs before anything is loaded."""
     path = shard_file(tag_dir, head.rank, head.world_size)
     replicas = getattr(head, "replicas", None)
     samplers = replicas.gather_states(head.sampler.state_dict()) if replicas is not None else None
@@ -66,6 +68,8 @@ def save_head_state(tag_dir: str, head, optimizer=None) -> Optional[str]:
     state = {"head": head.state_dict(), "optimizer": optimizer.state_dict() if optimizer is not None else None,
              "class_start": head.class_start, "num_local": head.num_local,
              "num_classes": head.num_classes, "world_size": head.world_size}
+    if options is not None:
+        state["options"] = options
     if samplers is not None:
         state["replica_samplers"] = samplers  # (Pr,) sampler state dicts, in replica order
     atomic_save(state, path)

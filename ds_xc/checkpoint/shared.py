@@ -6,15 +6,22 @@ from the published folder: both assume that ``save_dir`` is the same directory o
 node (a filesystem all nodes mount at the same path: NFS, Lustre, GPFS, a bucket mount).
 A node-local path (``/tmp/ckpt``, a local disk) would look fine on one host and, across
 hosts, publish a checkpoint that holds rank 0's node's shards only. :func:`check_shared_dir`
-turns that into an error on every rank, naming the folder and the fix: rank 0 writes a
-marker file named by a fresh token (broadcast), every rank must see it.
+turns that into an error on every rank, naming the folder and the fix.
+
+Saving: rank 0 writes a marker file named by a fresh token (broadcast), every rank must see it.
+Loading writes nothing (a checkpoint on a read-only mount loads on any number of ranks): every
+rank reads what the save wrote, ``latest`` and the sha256 of the tag's checksum manifest, and
+they must equal rank 0's. That is what loading needs: the same checkpoint on every rank (a
+copy of it on each node's local disk passes, a node without it or with another one fails).
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import socket
 import uuid
+from typing import Optional
 
 import torch.distributed as dist
 
@@ -34,13 +41,58 @@ def _token_from_rank0(token, group):
     return box[0]
 
 
-def check_shared_dir(folder: str, group, what: str, create: bool) -> bool:
+def _fingerprint(folder: str, tag: Optional[str]):
+    """What a load of ``folder`` would read, cheaply: (is a folder, ``latest``'s text, the tag loaded, the
+    sha256 of that tag's manifest); read only."""
+    try:
+        if not os.path.isdir(folder):
+            return (False, None, None, None)
+        latest = os.path.join(folder, "latest")
+        text = open(latest).read().strip() if os.path.isfile(latest) else None
+        name = tag if tag is not None else text
+        manifest = os.path.join(folder, name, "ds_xc_manifest.json") if name else None
+        digest = None
+        if manifest and os.path.isfile(manifest):
+            with open(manifest, "rb") as fh:
+                digest = hashlib.sha256(fh.read()).hexdigest()[:16]
+        return (True, text, name if name and os.path.isdir(os.path.join(folder, name)) else None, digest)
+    except OSError as exc:
+        return ("unreadable", f"{type(exc).__name__}: {exc}")
+
+
+def _check_same_checkpoint(folder: str, group, what: str, tag: Optional[str]) -> bool:
+    """Loading: every rank must read the same checkpoint as rank 0 (compared, nothing written)."""
+    mine = _fingerprint(folder, tag)
+    seen = [None] * dist.get_world_size(group)
+    dist.all_gather_object(seen, mine, group=group)
+    differ = [r for r, fp in enumerate(seen) if fp != seen[0]]
+    if differ:
+        def show(fp):
+            if fp[0] is False:
+                return "no such folder"
+            if fp[0] == "unreadable":
+                return f"unreadable ({fp[1]})"
+            return f"latest={fp[1]!r}, tag folder {fp[2]!r}, manifest sha256 {fp[3]}"
+        raise CheckpointError(
+            f"{what}: the checkpoint folder {os.path.abspath(folder)!r} is not the same on every rank: rank 0 sees "
+            f"{show(seen[0])}; " + "; ".join(f"rank {r} sees {show(seen[r])}" for r in differ) + ". Every rank "
+            "loads its own files from this folder: put it on a filesystem every node mounts at the same path "
+            "(NFS, Lustre, ...), or copy the same checkpoint to each node; see docs/multinode.md. Nothing was "
+            "loaded")
+    return seen[0][0] is True
+
+
+def check_shared_dir(folder: str, group, what: str, create: bool, tag: Optional[str] = None) -> bool:
     """Raise :class:`CheckpointError` on every rank of ``group`` unless every rank sees ``folder`` as rank 0 does.
 
-    ``create``: rank 0 creates the folder first (saving); otherwise (loading) a folder rank 0 does
-    not have is no checkpoint, and the check passes (returns False). Collective over ``group``."""
+    ``create``: rank 0 creates the folder first and a marker file proves it is one folder (saving);
+    otherwise (loading) nothing is written: every rank must see the same ``latest`` and the same
+    manifest of ``tag`` (default: the one ``latest`` names), and a folder rank 0 does not have is no
+    checkpoint, and the check passes (returns False). Collective over ``group``."""
     if not is_distributed(group):
         return os.path.isdir(folder)
+    if not create:
+        return _check_same_checkpoint(folder, group, what, tag)
     rank0 = group_rank(group) == 0
     token = None
     with all_or_none(f"{what}: writing the shared-folder marker into {folder!r} (rank 0)", group):

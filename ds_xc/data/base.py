@@ -6,7 +6,11 @@ Every training sample has a *global sample index*: at step ``t`` with ``P`` rank
 sample index into a sample with a pure function (a counter-based hash, not a stateful
 generator), so
 
-* resuming at step ``t`` needs no data state beyond ``t`` (data position == step);
+* resuming at step ``t`` needs no data state beyond ``t`` (data position == step) at the same
+  world size and batch; ``sample_offset`` starts the addressing at a global sample count instead,
+  so a run resumed on another world size or micro batch (launch/train.py saves the samples
+  consumed in its checkpoints) continues the stream where it stopped, neither replaying nor
+  skipping samples;
 * different ranks at one step get different samples, which together form the
   global batch, and the global batch at a step does not depend on how it is split
   over ranks (same ``B*P`` => same samples);
@@ -49,12 +53,12 @@ class XCDataset(abc.ABC):
 
     @abc.abstractmethod
     def train_batch(
-        self, step: int, batch_size: int, rank: int = 0, world_size: int = 1
+        self, step: int, batch_size: int, rank: int = 0, world_size: int = 1, sample_offset: int = 0
     ) -> tuple[Tensor, Tensor]:
-        """(inputs, labels) for this rank's share of global step ``step``.
+        """(inputs, labels) for this rank's share of global step ``step`` (counted from ``sample_offset``).
 
-        A pure function of (seed, step, rank, world_size, batch_size): this is what
-        makes resume exact (data position == step).
+        A pure function of (seed, step, rank, world_size, batch_size, sample_offset): this is what
+        makes resume exact (data position == step, or the samples consumed).
         """
 
     @abc.abstractmethod
@@ -95,10 +99,10 @@ class PositionDataset(XCDataset):
         """(N,) label positions -> inputs (N, context) int64, labels (N,) int64."""
 
     def train_batch(
-        self, step: int, batch_size: int, rank: int = 0, world_size: int = 1
+        self, step: int, batch_size: int, rank: int = 0, world_size: int = 1, sample_offset: int = 0
     ) -> tuple[Tensor, Tensor]:
         """Training positions drawn uniformly (with replacement) by hashing the sample index."""
-        keys = train_sample_indices(step, batch_size, rank, world_size)
+        keys = train_sample_indices(step, batch_size, rank, world_size, sample_offset)
         u = hash_uniform(keys, self._salt, 1)[:, 0]
         idx = (u * len(self._train_pos)).to(torch.int64).clamp_(max=len(self._train_pos) - 1)
         return self._gather(self._train_pos[idx])
@@ -130,10 +134,13 @@ def check_batch_args(batch_size: int, rank: int, world_size: int, step: int = 0)
 
 
 # ------------------------------------------------------------------ sample addressing
-def train_sample_indices(step: int, batch_size: int, rank: int, world_size: int) -> Tensor:
-    """Global sample indices (batch_size,) int64 owned by ``rank`` at ``step``."""
+def train_sample_indices(step: int, batch_size: int, rank: int, world_size: int, sample_offset: int = 0) -> Tensor:
+    """Global sample indices (batch_size,) int64 owned by ``rank`` at ``step``: ``sample_offset +
+    (step * world_size + rank) * batch_size + [0, batch_size)``."""
     check_batch_args(batch_size, rank, world_size, step)
-    start = (step * world_size + rank) * batch_size
+    if sample_offset < 0:
+        raise ValueError(f"sample_offset={sample_offset} is invalid: must be >= 0")
+    start = sample_offset + (step * world_size + rank) * batch_size
     return torch.arange(start, start + batch_size, dtype=torch.int64)
 
 

@@ -269,8 +269,9 @@ class GlyphDataset(XCDataset):
         x = torch.where(stroke > 0, x + stroke * (thick - x), x - stroke * (thin - x))
         return x.add_(noise.mul_(0.05 * a)).clamp_(0.0, 1.0)
 
-    def train_batch(self, step: int, batch_size: int, rank: int = 0, world_size: int = 1) -> tuple[Tensor, Tensor]:
-        return self._samples(train_sample_indices(step, batch_size, rank, world_size), self._salt)
+    def train_batch(self, step: int, batch_size: int, rank: int = 0, world_size: int = 1,
+                    sample_offset: int = 0) -> tuple[Tensor, Tensor]:
+        return self._samples(train_sample_indices(step, batch_size, rank, world_size, sample_offset), self._salt)
 
     def eval_batches(self, batch_size: int, rank: int = 0, world_size: int = 1,
                      max_samples: Optional[int] = None) -> Iterator[tuple[Tensor, Tensor]]:

@@ -165,10 +165,10 @@ class SyntheticDataset(XCDataset):
         return torch.tanh(z_NL @ self._map_LI), labels
 
     def train_batch(
-        self, step: int, batch_size: int, rank: int = 0, world_size: int = 1
+        self, step: int, batch_size: int, rank: int = 0, world_size: int = 1, sample_offset: int = 0
     ) -> tuple[Tensor, Tensor]:
-        """(inputs (B, input_dim) float32, labels (B,) int64) for this rank at ``step``."""
-        return self._samples(train_sample_indices(step, batch_size, rank, world_size), "train")
+        """(inputs (B, input_dim) float32, labels (B,) int64) for this rank at ``step`` (after ``sample_offset``)."""
+        return self._samples(train_sample_indices(step, batch_size, rank, world_size, sample_offset), "train")
 
     def eval_batches(
         self,

@@ -307,7 +307,10 @@ class XCEngine:
         Collective: the ranks first agree on the folder and the tag (a different one on one
         rank is an error on every rank, before anything is written), and on the outcome of
         each of their own steps (a rank that cannot write its files makes every rank raise;
-        nothing is published and ``latest`` keeps naming the previous checkpoint).
+        nothing is published and ``latest`` keeps naming the previous checkpoint). Refused before anything
+        is written: a tag over 200 characters or with characters other than letters, digits and ``._-+=@``;
+        a save inside a gradient-accumulation window; a tag another job is saving (rank 0 holds
+        ``save_dir/.lock_<tag>`` for the save; a lock whose process is gone is taken over).
         """
         with self.in_phase("checkpoint save"):
             try:
@@ -328,7 +331,10 @@ class XCEngine:
         Collective: the ranks agree on the folder and the tag (read from ``latest`` on each
         rank), then every rank reads and checks all of its files (head shard, residuals, RNG
         state, DeepSpeed's files present and readable) and the ranks agree that all succeeded;
-        a file missing or damaged on one rank raises on every rank and nothing is loaded."""
+        a file missing or damaged on one rank raises on every rank and nothing is loaded. The head's
+        recorded options are compared with this run's first: another head optimizer type or sampler
+        layout is refused listing every difference; changed hyperparameters load and the new values are
+        used (logged). Nothing is written to ``load_dir``: a read-only checkpoint loads."""
         with self.in_phase("checkpoint load"):
             client_state = load_engine_checkpoint(self, load_dir, tag)
         if client_state is not None:

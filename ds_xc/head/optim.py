@@ -207,10 +207,22 @@ class _HeadOptimizer(ExactLazyMixin, Optimizer):
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
         rng = state_dict.pop("bf16_rng", None)
-        modes = [(g.get("lazy", False), g.get("exact", False)) for g in self.param_groups]
+        # the hyperparameters (lr, momentum, weight decay, betas, eps, nesterov) and the update mode are
+        # config, not state: a resume with edited values follows them (torch's load_state_dict would put
+        # back the checkpoint's; ds_xc/checkpoint/options.py logs what changed)
+        configured = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        mine = "betas" if "betas" in configured[0] else "momentum"  # AdamW's and SGD's own hyperparameter
+        other = [g for g in state_dict.get("param_groups", []) if mine not in g]
+        if other:  # another optimizer's state: refused before anything changes (it used to fail at the first step)
+            raise ValueError(f"{type(self).__name__}.load_state_dict: the state was saved by another head optimizer "
+                             f"(its param groups have {sorted(k for k in other[0] if k != 'params')}, no "
+                             f"{mine!r}); nothing was loaded. Resume with extreme_classification.optimizer.type "
+                             "it was saved with")
         super().load_state_dict(state_dict)  # casts floating state to the parameter's dtype ...
-        for g, (lazy, exact) in zip(self.param_groups, modes):  # the update mode is config, not state
-            g["lazy"], g["exact"] = lazy, exact
+        for g, mine in zip(self.param_groups, configured):
+            for key in set(g) - set(mine) - {"params"}:  # another optimizer's keys (refused earlier by a resume)
+                del g[key]
+            g.update(mine)
         params = [p for g in self.param_groups for p in g["params"]]
         for idx, saved in state_dict.get("state", {}).items():  # ... so restore float32 states
             p = params[idx]

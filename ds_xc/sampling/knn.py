@@ -143,6 +143,11 @@ class KnnSampler(Sampler):
         return dict(super().state_dict(), steps=self.steps, built_at=self.built_at, graph=self.graph)
 
     def load_state_dict(self, state: dict) -> None:
+        missing = [k for k in ("steps", "built_at", "graph") if k not in state]
+        if missing:  # checked first: nothing of this sampler changes
+            raise ValueError(f"kNN sampler state without {missing} (its keys: {sorted(state)}): it was saved by "
+                             "another sampler type (uniform/full save a fill stream only, ann an index); nothing "
+                             "was loaded. Resume with the sampler type it was saved with")
         super().load_state_dict(state)
         self.steps, self.built_at = int(state["steps"]), state["built_at"]
         self.graph = None if state["graph"] is None else state["graph"].to(self.device)

@@ -268,6 +268,11 @@ class AnnSampler(Sampler):
                     index=None if self.index is None else self.index.state_dict())
 
     def load_state_dict(self, state: dict) -> None:
+        missing = [k for k in ("steps", "built_at", "dirty") if k not in state]
+        if missing:  # checked first: nothing of this sampler changes
+            raise ValueError(f"ANN sampler state without {missing} (its keys: {sorted(state)}): it was saved by "
+                             "another sampler type (uniform/full save a fill stream only, knn a graph); nothing "
+                             "was loaded. Resume with the sampler type it was saved with")
         self._pending = self._pending_index = None  # a background build of other weights is dropped
         super().load_state_dict(state)
         self.steps, self.built_at = int(state["steps"]), state["built_at"]
