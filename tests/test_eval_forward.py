@@ -93,3 +93,21 @@ def test_workspace_keeps_no_inference_tensor():
     b = ws.buffer("logits", (4, 3), torch.float32, "cpu")
     b.add_(1.0)  # usable outside inference mode
     assert not b.is_inference() and ws.kept_bytes() == 48
+
+
+@pytest.mark.parametrize("sampler", ["ann", "knn"])
+def test_index_rebuilt_under_inference_mode_trains_on(sampler):
+    """An index (or graph) rebuilt, and the shard caught up, under inference mode: later steps still train."""
+    head = ClassParallelHead(D, C, loss=LOSSES["cosface"], sampler=SAMPLERS[sampler], dtype=torch.float64,
+                             init_std=0.5, seed=SEED, update="auto")
+    opt = build_head_optimizer(head, {"type": "adamw", "lr": 0.05, "weight_decay": 0.1})
+    for step in range(4):
+        if step == 2:
+            with torch.inference_mode():
+                head.rebuild_index()
+                head.state_dict()
+        x, y = _batch(step)
+        head(x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert torch.isfinite(head.weight).all()

@@ -7,6 +7,7 @@ On 2 and 3 gloo ranks:
   the weights, the optimizer state and the sampler are unchanged, and a good step afterwards works;
 * in an unchecked step (``check_interval``, batch_sizes given) a rank whose rows come in another dtype than
   the one agreed at the last check has them cast to it (== passing the cast rows, float64 values);
+* the overlap schedule's backbone mode (rows made after the check) agrees on their dtype before its gathers;
 * ``batch_sizes`` of the wrong length, or with wrong values, on one rank only raise on every rank;
 * ``topk``: dtype and k agreed (raised on every rank), every rank empty gives (0, k), a NaN row gets ids -1
   and the other rows the dense float64 reference's ids;
@@ -18,7 +19,7 @@ import torch
 
 from ds_xc import ClassParallelHead
 from ds_xc.head import build_head_optimizer, init_shard
-from tests.reference import LOSSES, per_row_loss
+from tests.reference import LOSSES
 
 C, D, SEED = 29, 8, 11
 UNIFORM = {"type": "uniform", "sample_rate": 0.5}
@@ -122,6 +123,28 @@ def test_unchecked_step_casts_to_the_agreed_dtype(pools):
         torch.testing.assert_close(a[2], b[2], rtol=1e-12, atol=1e-15)
 
 
+def _backbone_mode(rank, world):
+    """The overlap schedule's backbone mode: the check runs before the rows exist; rank 1's backbone gives
+    float32 rows, the others float64."""
+    from ds_xc.overlap import ChunkedHeadSchedule
+    from tests.test_uneven_dist import _comm_group
+    head = _head(dtype=torch.float64)
+    x, y = _batch(rank, 4, 6)
+    sched = ChunkedHeadSchedule(head, 2, comm_group=_comm_group(world))
+    dtype = torch.float32 if rank == 1 else torch.float64
+    msg = _message(lambda: sched.run_backbone(lambda part: part.to(dtype), x, y))
+    after = float(sched.run_backbone(lambda part: part * 1.0, x.requires_grad_(), y))  # still in step
+    return msg, after
+
+
+def test_backbone_mode_agrees_on_the_dtype(pools):
+    res = pools(2).run(_backbone_mode)
+    for msg, after in res:
+        assert msg is not None and "embeddings.dtype" in msg and "rank 0: 'torch.float64', rank 1: 'torch.float32'" \
+            in msg, msg
+        assert after == res[0][1]
+
+
 # ---------------------------------------------------------------------------- topk
 def _topk(rank, world, kind):
     head = _head(dtype=torch.float64, loss=LOSSES["cosface"], sampler="full")
@@ -157,16 +180,23 @@ def test_topk_agrees_handles_empty_and_nan(pools, world):
 
 
 # ---------------------------------------------------------------------------- all-empty steps
-def _empty_steps(rank, world, sampler, with_empty):
+def _empty_steps(rank, world, sampler, with_empty, mode="serial"):
     head = _head(dtype=torch.float64, sampler=sampler, update="auto", loss=LOSSES["arcface"])
     opt = build_head_optimizer(head, {"type": "adamw", "lr": 0.1, "weight_decay": 0.2})
     losses = []
     for step in range(3):
         if step == 1 and with_empty:
             e = torch.zeros((0, D), dtype=torch.float64, requires_grad=True)
-            loss = head(e, torch.zeros(0, dtype=torch.int64))
-            loss.backward()
-            assert loss.item() == 0.0 and e.grad.shape == (0, D) and head.weight.grad is None
+            if mode == "serial":
+                loss = head(e, torch.zeros(0, dtype=torch.int64))
+                loss.backward()
+                assert e.grad.shape == (0, D)
+            else:
+                from ds_xc.overlap import ChunkedHeadSchedule
+                from tests.test_uneven_dist import _comm_group
+                sched = ChunkedHeadSchedule(head, 2, comm_group=_comm_group(world))
+                loss = sched.run_backbone(lambda part: part * 1.0, e, torch.zeros(0, dtype=torch.int64))
+            assert loss.item() == 0.0 and head.weight.grad is None
             opt.step()
             opt.zero_grad(set_to_none=True)
         x, y = _batch(rank, [3, 2, 4][rank], 10 + step)
@@ -181,10 +211,10 @@ def _empty_steps(rank, world, sampler, with_empty):
     return losses, head.weight.detach().clone(), state, str(head.sampler.state_dict())
 
 
-@pytest.mark.parametrize("sampler", ["full", "uniform"])
-def test_an_all_empty_step_is_a_no_op(pools, sampler):
+@pytest.mark.parametrize("sampler,mode", [("full", "serial"), ("uniform", "serial"), ("uniform", "backbone")])
+def test_an_all_empty_step_is_a_no_op(pools, sampler, mode):
     spec = "full" if sampler == "full" else UNIFORM
-    with_empty = pools(2).run(_empty_steps, spec, True)
+    with_empty = pools(2).run(_empty_steps, spec, True, mode)
     without = pools(2).run(_empty_steps, spec, False)
     for a, b in zip(with_empty, without):
         assert a[0] == b[0] and a[3] == b[3]

@@ -174,10 +174,9 @@ def decide(head, rows_of: list, error: Optional[Exception], batch_sizes, full: b
                          f"[0, {head.num_classes})")
     bad = [r for r, c in enumerate(codes) if c == BAD_INPUT]
     if bad:
-        raise ValueError(f"another rank reported invalid labels, batch_sizes, embedding shape, dtype or device: "
-                         f"rank(s) {bad} "
+        raise ValueError(f"another rank reported invalid labels, embedding shape, dtype or device: rank(s) {bad} "
                          f"(this is rank {head.rank}, whose input is {'fine' if not mine else 'non-finite'}); "
-                         "see that rank's error")
+                         "see that rank's error (it names the labels, embeddings or batch_sizes at fault)")
     head.agreed_dtype = agree_layout(head, [r[5] for r in rows_of], [r[6] for r in rows_of]) or head.agreed_dtype
     _agree_batch_sizes(head, batch_sizes, sizes, [r[7] for r in rows_of], "")
     late = max(r[4] for r in rows_of)  # the same count on every rank (from the gathered labels)

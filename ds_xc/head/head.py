@@ -35,6 +35,7 @@ from ds_xc.head.softmax import sharded_margin_loss
 from ds_xc.head.workspace import Workspace, gather_rows
 from ds_xc.parallel.collectives import (all_gather_no_grad, all_gather_rows, merge_topk,
                                         replicated_rows, scale_grad)
+from ds_xc.parallel.agree import agree
 from ds_xc.parallel.groups import group_rank, group_size, is_distributed, resolve_group
 from ds_xc.parallel.node_gather import node_gather_rows
 from ds_xc.sampling import ActiveSet, build_sampler
@@ -227,11 +228,6 @@ class ClassParallelHead(nn.Module):
             if int(batch_sizes[self.rank]) != rows:
                 raise ValueError(f"batch_sizes {list(batch_sizes)} gives rank {self.rank} {batch_sizes[self.rank]} "
                                  f"rows, it passed {rows}")
-            if embeddings is not None and embeddings.dtype != self.agreed_dtype:
-                log.warning("rank %d: embeddings of dtype %s in an unchecked step, the ranks agreed on %s at the "
-                            "last check: this rank's rows are cast to %s for the gather (no reinterpretation); the "
-                            "next check agrees anew", self.rank, embeddings.dtype, self.agreed_dtype,
-                            self.agreed_dtype)
             return self._replicated_sizes(Verdict([int(b) for b in batch_sizes], labels_checked=False))
         table = torch.zeros((self.world_size, TABLE_COLS), dtype=torch.int64, device=self.weight.device)
         table[self.rank, 1].fill_(rows)  # a kernel argument, not host data copied up
@@ -310,8 +306,7 @@ class ClassParallelHead(nn.Module):
         gradient of the local mean, as before).
         """
         dp = self.replicas.size  # 2-D: the data-parallel ranks are the class group times the replicas
-        if self.agreed_dtype is not None and embeddings.dtype != self.agreed_dtype:  # unchecked steps only
-            embeddings = embeddings.to(self.agreed_dtype)  # the dtype every rank gathers in (a cast, not bytes)
+        embeddings = self.agreed_rows(embeddings)
         if self.input_parallel == "replicated":  # the rows are the global batch already: (B, d), (B,)
             return replicated_rows(scale_grad(embeddings, float(dp)), self.group), labels.to(torch.int64)
         sizes = None if batch_sizes is None or len(set(batch_sizes)) <= 1 else list(batch_sizes)
@@ -321,6 +316,22 @@ class ClassParallelHead(nn.Module):
         x = all_gather_rows(embeddings, self.group, sizes, grad_scale=float(self.world_size * dp))
         y = all_gather_no_grad(labels.to(torch.int64), self.group, sizes)
         return x, y
+
+    def agreed_rows(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """``embeddings`` in the dtype every rank agreed on, for a gather: as they are when they match; cast
+        (logged once) when an unchecked step brings another dtype (no bytes reinterpreted, no sync); agreed
+        now, raising on every rank when the ranks differ (one small all-gather, once), when no check saw rows
+        yet (the overlap schedule's backbone mode, whose check runs before the rows exist)."""
+        if self.agreed_dtype is None:
+            agree(str(embeddings.dtype), "embeddings.dtype (allowed: one floating-point dtype on every rank)",
+                  self.group)
+            self.agreed_dtype = embeddings.dtype
+        if embeddings.dtype == self.agreed_dtype:
+            return embeddings
+        log_once(log, logging.WARNING, f"rank {self.rank}: embeddings of dtype {embeddings.dtype} in a step without "
+                 f"a check, the ranks agreed on {self.agreed_dtype} at the last one: they are cast to "
+                 f"{self.agreed_dtype} for the gather (no bytes reinterpreted); the next check agrees anew")
+        return embeddings.to(self.agreed_dtype)
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor,
                 batch_sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
@@ -384,13 +395,19 @@ class ClassParallelHead(nn.Module):
             total = part if total is None else total + part
         return self.replicas.global_loss(self.flag_unchecked(total, y, verdict), n, total_rows)
 
+    def empty_step(self, training: bool = True) -> None:
+        """Book a step where every rank had 0 rows (agreed by the input check) as not made: the check_interval
+        count goes back, nothing else of the head's state moved; logged at debug level. The callers (forward,
+        the overlap schedule) then skip the sampler and the weight gradient."""
+        self._calls -= int(training)
+        log.debug("rank %d: every rank passed 0 rows; the head's step is a no-op (no sampler step, no weight "
+                  "gradient)", self.rank)
+
     def _empty_step(self, embeddings: torch.Tensor, training: bool) -> torch.Tensor:
         """The loss of a step where every rank has 0 rows: 0, in the loss's dtype, differentiable (through
         the empty embeddings when they need a gradient) but with no path to the weight; the call is not
         counted (as if it was not made)."""
-        self._calls -= int(training)
-        log.debug("rank %d: every rank passed 0 rows; the head's step is a no-op (no sampler step, no weight "
-                  "gradient)", self.rank)
+        self.empty_step(training)
         dtype = torch.float64 if self.weight.dtype == torch.float64 else torch.float32
         zero = torch.zeros((), dtype=dtype, device=self.weight.device)
         if training and embeddings.requires_grad:
@@ -402,14 +419,16 @@ class ClassParallelHead(nn.Module):
         """Rebuild the sampler's index (ANN) or graph (kNN) from the current weights now."""
         if hasattr(self.sampler, "rebuild"):
             self.catch_up()
-            self.sampler.rebuild(self.weight)
+            with torch.inference_mode(False), torch.no_grad():  # an index made of inference tensors breaks training
+                self.sampler.rebuild(self.weight)
 
     def catch_up(self) -> None:
         """With update lazy_exact: bring every row of the shard up to date (a no-op otherwise).
         Call before anything reads the whole shard; topk, rebuild_index, the sampler's rebuilds and
         dense re-encodes, the quality metrics and state_dict do."""
         if self.lazy_catch_up is not None:
-            self.lazy_catch_up(None)
+            with torch.inference_mode(False), torch.no_grad():  # any caller's mode: the state stays normal tensors
+                self.lazy_catch_up(None)
 
     def _catch_up_rows(self, rows: Optional[torch.Tensor]) -> None:
         """The sampler's ``before_read``: local rows (R,) (None: all) up to date before it reads them."""

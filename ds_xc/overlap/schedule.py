@@ -152,7 +152,8 @@ class ChunkedHeadSchedule:
         embeds, gathers = [], []
         for c, emb in enumerate(chunks):
             embeds.append(emb)
-            gathers.append(PendingGather(emb.detach(), per_chunk[c], self.comm_group, self.timeline, "gather",
+            rows = head.agreed_rows(emb.detach())  # backbone mode: the dtype agreed (first call) or cast
+            gathers.append(PendingGather(rows, per_chunk[c], self.comm_group, self.timeline, "gather",
                                          blocking=not self.overlap) if sum(per_chunk[c]) else None)
         gathered: list = [None] * self.num_chunks
         if known is None and verdict.full:  # backbone mode: the embeddings only exist now
@@ -176,6 +177,12 @@ class ChunkedHeadSchedule:
             return torch.full((), float("nan"), dtype=torch.float64, device=device)
         verdict, per_chunk, positions, y, embeds, gathers, gathered = begun
         n = sum(verdict.sizes)
+        loss_dtype = head.weight.dtype if head.weight.dtype == torch.float64 else torch.float32
+        if n == 0:  # every rank empty (agreed): a no-op for the head, as in ClassParallelHead.forward
+            head.empty_step(torch.is_grad_enabled())
+            if own_step:
+                tl.end_step()
+            return torch.zeros((), dtype=loss_dtype, device=device)
         need_gx = any(e.requires_grad for e in embeds)
         need_gw = head.weight.requires_grad and torch.is_grad_enabled()
 
@@ -224,7 +231,7 @@ class ChunkedHeadSchedule:
             if x_serial is None:
                 x_serial = self._assemble(gathers, gathered, positions, n)
             head.measure_sampler(x_serial, active)
-        loss = (total / max(n, 1)).to(head.weight.dtype if head.weight.dtype == torch.float64 else torch.float32)
+        loss = (total / max(n, 1)).to(loss_dtype)
         loss = head.flag_unchecked(loss, y, verdict)
         if own_step:
             tl.end_step()
