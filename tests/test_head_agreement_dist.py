@@ -3,11 +3,14 @@
 On 2 and 3 gloo ranks:
 
 * embeddings of different dtypes on different ranks (float16 / float32; float16 / bfloat16, one byte size) raise
-  on every rank, naming ``embeddings.dtype`` and each rank's dtype, before any gather; so do different widths;
+  on every rank, naming ``embeddings.dtype`` and each rank's dtype, before any gather; so do different widths
+  (heads of different embedding_dim);
   the weights, the optimizer state and the sampler are unchanged, and a good step afterwards works;
 * in an unchecked step (``check_interval``, batch_sizes given) a rank whose rows come in another dtype than
   the one agreed at the last check has them cast to it (== passing the cast rows, float64 values);
 * the overlap schedule's backbone mode (rows made after the check) agrees on their dtype before its gathers;
+* heads built with different options (here chunk_size, which sets the number of the loss's collectives)
+  raise on every rank at the first call, naming the option and each rank's value;
 * ``batch_sizes`` of the wrong length, or with wrong values, on one rank only raise on every rank;
 * ``topk``: dtype and k agreed (raised on every rank), every rank empty gives (0, k), a NaN row gets ids -1
   and the other rows the dense float64 reference's ids;
@@ -39,7 +42,8 @@ def _head(dim=D, **kw):
 def _message(fn):
     try:
         fn()
-    except (ValueError, TypeError) as exc:
+    except ValueError as exc:  # every error of a bad input or a disagreement (the dtype's is a TypeError too)
+        assert isinstance(exc, TypeError) == (type(exc).__name__ == "DtypeDisagreementError")
         return f"{type(exc).__name__}: {exc}"
     return None
 
@@ -47,11 +51,11 @@ def _message(fn):
 def _disagree(rank, world, kind):
     """One good step, then a faulty one; returns the message, whether anything changed, the next loss."""
     dims = {"width": [D, D + 1, D][rank]}.get(kind, D)
-    head = _head(dims)
+    head = _head(dims, chunk_size=[0, 2, 0][rank] if kind == "chunk" else 0)
     opt = build_head_optimizer(head, {"type": "adamw", "lr": 0.1, "weight_decay": 0.1})
     x, y = _batch(rank, 3, 1)
     x = x[:, :dims] if dims <= D else torch.cat([x, x[:, :1]], 1)
-    if kind != "width":  # a good step first: the optimizer has state
+    if kind not in ("width", "chunk"):  # a good step first: the optimizer has state
         head(x.float(), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -68,26 +72,30 @@ def _disagree(rank, world, kind):
     unchanged = (torch.equal(head.weight.detach(), weight) and head.weight.grad is None
                  and str(head.sampler.state_dict()) == sampler
                  and all(torch.equal(opt.state[head.weight][k], v) for k, v in state.items()))
-    after = None if kind == "width" else float(head(x.float(), y))  # the ranks are still in step
+    after = None if kind in ("width", "chunk") else float(head(x.float(), y))  # the ranks are still in step
     return {"msg": msg, "unchanged": unchanged, "after": after}
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_disagreements_raise_on_every_rank(pools, world):
     expect = {
-        "f16_f32": ("TypeError: embeddings.dtype differs across the ranks of the head's group: rank 0: torch.float16, "
+        "f16_f32": ("DtypeDisagreementError: embeddings.dtype differs across the ranks of the head's group: rank 0: torch.float16, "
                     "rank 1: torch.float32"),
-        "f16_bf16": ("TypeError: embeddings.dtype differs across the ranks of the head's group: rank 0: "
+        "f16_bf16": ("DtypeDisagreementError: embeddings.dtype differs across the ranks of the head's group: rank 0: "
                      "torch.float16, rank 1: torch.bfloat16"),
-        "width": f"embeddings.shape[1] (embedding_dim) differs across the ranks of the head's group: rank 0: {D}, "
+        "width": f"ranks disagree on the head's options (ClassParallelHead arguments / the extreme_classification "
+                 f"section; allowed: the same on every rank of the head's group): embedding_dim (rank 0: {D}, "
                  f"rank 1: {D + 1}",
         "sizes_values": f"do not match the rows the ranks passed, {[3] * world}",
+        "chunk": "ranks disagree on the head's options (ClassParallelHead arguments / the extreme_classification "
+                 "section; allowed: the same on every rank of the head's group): chunk_size (rank 0: 0, rank 1: 2",
     }
     for kind, text in expect.items():
         res = pools(world).run(_disagree, kind)
         for rank, r in enumerate(res):
             assert r["msg"] is not None and text in r["msg"], (kind, rank, r["msg"])
             assert "allowed" in r["msg"] or kind == "sizes_values", r["msg"]
+            assert r["msg"].startswith("DtypeDisagreementError") == kind.startswith("f16"), r["msg"]
             assert r["unchanged"], (kind, rank)
             assert r["after"] is None or r["after"] == res[0]["after"]
     res = pools(world).run(_disagree, "sizes_length")

@@ -1,14 +1,16 @@
 """Input checks of the class-parallel head: what one rank can tell alone, and the agreed verdict.
 
-Legend: P ranks, B this rank's rows. ``ClassParallelHead.check_batch`` fills one (P, 8) int64
+Legend: P ranks, B this rank's rows. ``ClassParallelHead.check_batch`` fills one (P, 9) int64
 table per step (row r: rank r's [verdict code, B, first bad position, bad label, out-of-range
 labels seen in earlier unchecked steps, embedding dtype code, embedding width d, fingerprint of
-the ``batch_sizes`` it passed (0: None)]), all-reduces it
+the ``batch_sizes`` it passed (0: None), fingerprint of the head's options]), all-reduces it
 once and reads it with one ``.tolist()``; :func:`decide` turns the table into the same decision on
 every rank, so that bad input on one rank raises on all of them instead of leaving the others in a
 collective, ranks whose embeddings differ in dtype or width raise before the all-gather would
 mix their bytes (float16 and bfloat16 rows have one size: gathered, they would be reinterpreted),
-and a ``batch_sizes`` wrong on one rank only raises on every rank. :func:`agree_topk` is the same
+a ``batch_sizes`` wrong on one rank only raises on every rank, and so do heads built with
+different options (chunk size, loss, sampler, dtype, ...: :func:`head_options`), whose collectives
+would not match. :func:`agree_topk` is the same
 agreement for ``ClassParallelHead.topk``.
 """
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Optional
 import torch
 
 from ds_xc import config as cfg
-from ds_xc.parallel.agree import fingerprint
+from ds_xc.parallel.agree import DisagreementError, agree, fingerprint
 from ds_xc.parallel.collectives import gather_stacked
 from ds_xc.parallel.groups import comm_device, is_distributed
 
@@ -30,7 +32,7 @@ __all__ = ["BAD_INPUT", "NONFINITE", "TABLE_COLS", "Verdict", "local_problem", "
            "fill_layout", "decide", "dtype_code", "agree_layout"]
 
 BAD_INPUT, NONFINITE = 2, 1  # per-rank verdict codes (larger = worse)
-TABLE_COLS = 8  # columns of the check's table (module docstring)
+TABLE_COLS = 9  # columns of the check's table (module docstring)
 # embedding dtypes as table codes (0: not known, e.g. the overlap schedule's backbone mode)
 _CODED = [torch.float16, torch.bfloat16, torch.float32, torch.float64] + [
     getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
@@ -111,15 +113,38 @@ def fill_verdict(head, row: torch.Tensor, embeddings: Optional[torch.Tensor], la
         row[0] = code
 
 
-def fill_layout(row: torch.Tensor, embeddings: Optional[torch.Tensor], batch_sizes) -> None:
-    """This rank's embedding dtype code and width, and the fingerprint of its ``batch_sizes`` (0: None), into
-    ``row`` (TABLE_COLS,) (kernel arguments, no sync); dtype and width stay 0 when the embeddings do not
-    exist yet (backbone mode)."""
+class DtypeDisagreementError(DisagreementError, TypeError):
+    """Ranks passed embeddings of different dtypes (a ValueError like every disagreement, and a TypeError)."""
+
+
+def options_fingerprint(head) -> int:
+    """The 64-bit fingerprint of :func:`head_options` (the head keeps it, refreshed when its dtype changes)."""
+    return fingerprint(head_options(head))
+
+
+def head_options(head) -> dict:
+    """What every rank of the head's group must share for its collectives to match: the shapes, the weight
+    dtype, the loss and its constants, the sampler's config, the chunking, the backend and the check options."""
+    loss = {k: v for k, v in vars(head.loss_fn).items() if isinstance(v, (bool, int, float, str))}
+    sampler = head.sampler_config
+    return {"num_classes": head.num_classes, "embedding_dim": head.embedding_dim, "world_size": head.world_size,
+            "dtype": str(head.weight.dtype), "loss": dict(loss, type=type(head.loss_fn).__name__),
+            "sampler": sampler.model_dump() if hasattr(sampler, "model_dump") else repr(sampler),
+            "chunk_size": head.chunk_size, "softmax_backend": head.softmax_backend, "update": head.update,
+            "input_parallel": head.input_parallel, "check_inputs": head.check_inputs,
+            "check_interval": head.check_interval, "nonfinite": head.nonfinite}
+
+
+def fill_layout(row: torch.Tensor, embeddings: Optional[torch.Tensor], batch_sizes, options: int) -> None:
+    """This rank's embedding dtype code and width, the fingerprint of its ``batch_sizes`` (0: None) and of its
+    head's options into ``row`` (TABLE_COLS,) (kernel arguments, no sync); dtype and width stay 0 when the
+    embeddings do not exist yet (backbone mode)."""
     if embeddings is not None:
         row[5].fill_(dtype_code(embeddings.dtype))
         row[6].fill_(int(embeddings.shape[1]) if embeddings.dim() == 2 else 0)
     if batch_sizes is not None:
         row[7].fill_(_sizes_print(batch_sizes))
+    row[8].fill_(options)
 
 
 def _sizes_print(sizes) -> int:
@@ -133,14 +158,17 @@ def agree_layout(head, codes: list, dims: list, what: str = "embeddings") -> Opt
     known = {r: c for r, c in enumerate(codes) if c}
     if len(set(known.values())) > 1:
         shown = ", ".join(f"rank {r}: {_dtype_name(c)}" for r, c in known.items())
-        raise TypeError(f"{what}.dtype differs across the ranks of the head's group: {shown} (this is rank "
-                        f"{head.rank}); allowed: one floating-point dtype on every rank (the rows are all-gathered "
-                        "as they are, so other dtypes would be mixed or reinterpreted); cast them before the head")
+        raise DtypeDisagreementError(
+            f"{what}.dtype differs across the ranks of the head's group: {shown} (this is rank {head.rank}); "
+            "allowed: one floating-point dtype on every rank (the rows are all-gathered as they are, so other "
+            "dtypes would be mixed or reinterpreted); cast them before the head",
+            {r: _dtype_name(c) for r, c in known.items()})
     widths = {r: dims[r] for r in known}
     if len(set(widths.values())) > 1:
         shown = ", ".join(f"rank {r}: {d}" for r, d in widths.items())
-        raise ValueError(f"{what}.shape[1] (embedding_dim) differs across the ranks of the head's group: {shown} "
-                         f"(this is rank {head.rank}); allowed: one embedding_dim on every rank")
+        raise DisagreementError(f"{what}.shape[1] (embedding_dim) differs across the ranks of the head's group: "
+                                f"{shown} (this is rank {head.rank}); allowed: one embedding_dim on every rank",
+                                widths)
     code = next(iter(known.values()), 0)
     return _CODED[code - 1] if 0 < code <= len(_CODED) else None
 
@@ -177,6 +205,9 @@ def decide(head, rows_of: list, error: Optional[Exception], batch_sizes, full: b
         raise ValueError(f"another rank reported invalid labels, embedding shape, dtype or device: rank(s) {bad} "
                          f"(this is rank {head.rank}, whose input is {'fine' if not mine else 'non-finite'}); "
                          "see that rank's error (it names the labels, embeddings or batch_sizes at fault)")
+    if len({r[8] for r in rows_of}) > 1:  # every rank sees it: every rank gathers the options, raising on all
+        agree(head_options(head), "the head's options (ClassParallelHead arguments / the extreme_classification "
+              "section; allowed: the same on every rank of the head's group)", head.group)
     head.agreed_dtype = agree_layout(head, [r[5] for r in rows_of], [r[6] for r in rows_of]) or head.agreed_dtype
     _agree_batch_sizes(head, batch_sizes, sizes, [r[7] for r in rows_of], "")
     late = max(r[4] for r in rows_of)  # the same count on every rank (from the gathered labels)
@@ -243,8 +274,8 @@ def agree_topk(head, embeddings: torch.Tensor, k: int, batch_sizes) -> tuple[lis
     ks = [row[4] for row in table]
     if len(set(ks)) > 1:
         shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(ks))
-        raise ValueError(f"topk: k differs across the ranks of the head's group: {shown} (this is rank {head.rank}); "
-                         "allowed: the same k on every rank")
+        raise DisagreementError(f"topk: k differs across the ranks of the head's group: {shown} (this is rank "
+                                f"{head.rank}); allowed: the same k on every rank", dict(enumerate(ks)))
     agree_layout(head, [row[2] for row in table], [row[3] for row in table], "topk: embeddings")
     sizes = [row[1] for row in table]
     _agree_batch_sizes(head, batch_sizes, sizes, [row[5] for row in table], "topk: ")

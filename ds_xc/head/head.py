@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ds_xc import config as cfg
 from ds_xc.head.checks import (BAD_INPUT, TABLE_COLS, Verdict, agree_topk, decide, fill_layout, fill_verdict,
-                               local_problem)
+                               local_problem, options_fingerprint)
 from ds_xc.head.fingerprint import weight_checksum as _checksum
 from ds_xc.head.margins import TargetLoss, build_loss
 from ds_xc.head.partition import init_shard, shard_range, shard_topk
@@ -159,6 +159,7 @@ class ClassParallelHead(nn.Module):
         self.lazy_catch_up = None  # update lazy_exact: the optimizer's catch_up(rows or None)
         self.sampler.before_read = self._catch_up_rows  # the sampler's reads of the weights see current rows
         self.last_metrics: dict = {}
+        self.options_fingerprint = options_fingerprint(self)  # agreed in the input check (ds_xc/head/checks.py)
         log.info("ClassParallelHead rank %d/%d: classes [%d, %d) of %d, d=%d, loss=%s, sampler=%s %s",
                  self.rank, self.world_size, self.class_start, self.class_start + self.num_local, self.num_classes,
                  self.embedding_dim, self.loss_fn.describe(), self.sampler_config.type, self.replicas.describe())
@@ -193,9 +194,10 @@ class ClassParallelHead(nn.Module):
         this step were range-checked), or None when the step must be skipped (non-finite
         embeddings under ``nonfinite="skip"``, agreed by every rank).
 
-        One (P, 8) int64 all-reduce carries each rank's [verdict, rows, first bad label
+        One (P, 9) int64 all-reduce carries each rank's [verdict, rows, first bad label
         position, that label, out-of-range labels of earlier unchecked steps, embedding dtype
-        code, embedding width, batch_sizes fingerprint] (ds_xc/head/checks.py), followed by
+        code, embedding width, batch_sizes fingerprint, options fingerprint]
+        (ds_xc/head/checks.py), followed by
         one ``.tolist()`` (the step's only host sync of the check). It runs when a full check
         is due (``check_inputs`` and every ``check_interval``-th call: shapes, devices, label
         range, finiteness) or when ``batch_sizes`` is None (the sizes are needed to pad the
@@ -231,7 +233,7 @@ class ClassParallelHead(nn.Module):
             return self._replicated_sizes(Verdict([int(b) for b in batch_sizes], labels_checked=False))
         table = torch.zeros((self.world_size, TABLE_COLS), dtype=torch.int64, device=self.weight.device)
         table[self.rank, 1].fill_(rows)  # a kernel argument, not host data copied up
-        fill_layout(table[self.rank], embeddings, batch_sizes)
+        fill_layout(table[self.rank], embeddings, batch_sizes, self.options_fingerprint)
         ranged = full or batch_sizes is None  # else the first call's exchange, for the dtype only
         if error is not None:
             table[self.rank, 0].fill_(BAD_INPUT)
@@ -552,4 +554,5 @@ class ClassParallelHead(nn.Module):
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)
         self.sampler.to(self.weight.device)
+        self.options_fingerprint = options_fingerprint(self)  # head.double() and the like change the dtype
         return out
