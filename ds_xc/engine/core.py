@@ -201,7 +201,7 @@ class XCEngine:
         step over the schedule's reference lr (ds_xc/engine/lr_follow.py; read at every step, so that a
         resumed scheduler's restored ``base_lrs`` count)."""
         head_cfg = self.config.extreme_classification.optimizer
-        if head_cfg.lr_schedule == "follow_engine":
+        if head_cfg.lr_schedule == "follow_engine" and self.engine.get_lr():  # no engine optimizer: no lr
             ratio = float(self.engine.get_lr()[0]) / check_follow_engine(self.lr_scheduler, self.base_lr)
             for group in self.head_optimizer.param_groups:
                 group["lr"] = head_cfg.lr * ratio

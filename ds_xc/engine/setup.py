@@ -302,6 +302,11 @@ def _follow_engine_reference(engine, scheduler, xc_config, group) -> Optional[fl
     scheduler), after checking on every rank of ``group`` (the engine's data-parallel group) that the
     scheduler gives a reference lr (ds_xc/engine/lr_follow.py; a ConfigError on every rank otherwise)."""
     lr = float(engine.get_lr()[0]) if engine.get_lr() else None
+    if lr is None and scheduler is None:  # no backbone optimizer: no engine lr to follow
+        if xc_config.extreme_classification.optimizer.lr_schedule == "follow_engine":
+            log.info("ds_xc: the engine has no optimizer (no lr): the head's lr stays at its configured %s",
+                     xc_config.extreme_classification.optimizer.lr)
+        return None
     if xc_config.extreme_classification.optimizer.lr_schedule == "follow_engine":
         with all_or_none("checking the lr scheduler the head follows", group):
             ref = check_follow_engine(scheduler, lr)

@@ -25,7 +25,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ds_xc import config as cfg
-from ds_xc.head.checks import BAD_INPUT, Verdict, decide, fill_verdict, local_problem
+from ds_xc.head.checks import (BAD_INPUT, TABLE_COLS, Verdict, agree_topk, decide, fill_layout, fill_verdict,
+                               local_problem, options_fingerprint)
 from ds_xc.head.fingerprint import weight_checksum as _checksum
 from ds_xc.head.margins import TargetLoss, build_loss
 from ds_xc.head.partition import init_shard, shard_range, shard_topk
@@ -33,11 +34,13 @@ from ds_xc.head.replicas import Replicas
 from ds_xc.head.row_terms import LossOptions, RowTerms, mean_of
 from ds_xc.head.softmax import sharded_margin_loss
 from ds_xc.head.workspace import Workspace, gather_rows
-from ds_xc.parallel.collectives import (all_gather_no_grad, all_gather_rows, exchange_sizes, merge_topk,
+from ds_xc.parallel.collectives import (all_gather_no_grad, all_gather_rows, merge_topk,
                                         replicated_rows, scale_grad)
+from ds_xc.parallel.agree import agree
 from ds_xc.parallel.groups import group_rank, group_size, is_distributed, resolve_group
 from ds_xc.parallel.node_gather import node_gather_rows
 from ds_xc.sampling import ActiveSet, build_sampler
+from ds_xc.sampling.base import local_targets
 from ds_xc_ops.logs import log_once
 from ds_xc.head.softmax_backend import SOFTMAX_BACKENDS
 
@@ -112,6 +115,10 @@ class ClassParallelHead(nn.Module):
             if dtype not in _DTYPES:
                 raise cfg.ConfigError(f"{cfg.HEAD_SECTION}.dtype: got {dtype!r}; allowed: {sorted(_DTYPES)}")
             dtype = _DTYPES[dtype]
+        # the config path's rules and messages for the plain fields (field, value, what is allowed)
+        cfg.validate_section(cfg.HeadConfig, {"embedding_dim": embedding_dim, "num_classes": num_classes,
+                                              "init_std": init_std, "seed": seed,
+                                              "dtype": _DTYPE_NAMES.get(dtype, str(dtype))}, cfg.HEAD_SECTION)
         if update not in UPDATES:
             raise cfg.ConfigError(f"{cfg.HEAD_SECTION}.optimizer.update: got {update!r}; allowed: "
                                   f"{', '.join(map(repr, UPDATES))}")
@@ -158,6 +165,7 @@ class ClassParallelHead(nn.Module):
             raise cfg.ConfigError(f"{cfg.HEAD_SECTION}.check_interval: got {check_interval}; must be >= 1")
         self.check_interval, self._calls = int(check_interval), 0  # full input check every N-th call
         self._unchecked_bad: Optional[torch.Tensor] = None  # () out-of-range labels of unchecked calls
+        self.agreed_dtype: Optional[torch.dtype] = None  # the embeddings' dtype every rank passed at the last check
         self.seed = int(seed)
         self.weight = nn.Parameter(init_shard(self.num_classes, self.embedding_dim, self.class_start,
                                               self.num_local, init_std, seed, dtype, device))
@@ -170,6 +178,7 @@ class ClassParallelHead(nn.Module):
         self.lazy_catch_up = None  # update lazy_exact: the optimizer's catch_up(rows or None)
         self.sampler.before_read = self._catch_up_rows  # the sampler's reads of the weights see current rows
         self.last_metrics: dict = {}
+        self.options_fingerprint = options_fingerprint(self)  # agreed in the input check (ds_xc/head/checks.py)
         log.info("ClassParallelHead rank %d/%d: classes [%d, %d) of %d, d=%d, loss=%s %s, sampler=%s %s",
                  self.rank, self.world_size, self.class_start, self.class_start + self.num_local, self.num_classes,
                  self.embedding_dim, self.loss_fn.describe(), self.loss_options.describe(), self.sampler_config.type,
@@ -206,8 +215,10 @@ class ClassParallelHead(nn.Module):
         this step were range-checked), or None when the step must be skipped (non-finite
         embeddings under ``nonfinite="skip"``, agreed by every rank).
 
-        One (P, 5) int64 all-reduce carries each rank's [verdict, rows, first bad label
-        position, that label, out-of-range labels of earlier unchecked steps], followed by
+        One (P, 9) int64 all-reduce carries each rank's [verdict, rows, first bad label
+        position, that label, out-of-range labels of earlier unchecked steps, embedding dtype
+        code, embedding width, batch_sizes fingerprint, options fingerprint]
+        (ds_xc/head/checks.py), followed by
         one ``.tolist()`` (the step's only host sync of the check). It runs when a full check
         is due (``check_inputs`` and every ``check_interval``-th call: shapes, devices, label
         range, finiteness) or when ``batch_sizes`` is None (the sizes are needed to pad the
@@ -215,27 +226,39 @@ class ClassParallelHead(nn.Module):
         Otherwise (an unchecked step with ``batch_sizes`` given) nothing is exchanged: the
         sizes are trusted, and out-of-range labels are caught on the gathered labels by
         :meth:`flag_unchecked`. Every error is raised on every rank: the rank at fault names
-        the label, position, shape or device; the others name that rank.
+        the label, position, shape or device; the others name that rank. The exchange also agrees
+        on the embeddings' dtype and width (raising on every rank when they differ) and remembers
+        the dtype in ``agreed_dtype``; an unchecked step whose rows come in another dtype casts
+        them to it for the gather (logged), so bytes are never reinterpreted; the first call
+        always exchanges (no dtype agreed yet). A forward without grad is always fully checked
+        and does not advance the ``check_interval`` count.
         """
         rows = embeddings.shape[0] if embeddings is not None and embeddings.dim() > 0 else (num_rows or 0)
-        full = self.check_inputs and self._calls % self.check_interval == 0
-        self._calls += 1
+        training = torch.is_grad_enabled()  # a forward without grad (a validation loss) is always checked ...
+        full = self.check_inputs and (self._calls % self.check_interval == 0 or not training)
+        self._calls += int(training)  # ... and leaves the training steps' check cadence as it was
+        error = None
         if batch_sizes is not None and len(batch_sizes) != self.world_size:
-            raise ValueError(f"batch_sizes has {len(batch_sizes)} entries {list(batch_sizes)}, the head's group has "
-                             f"{self.world_size} ranks (rank {self.rank})")
-        error = local_problem(self, embeddings, labels, rows, sample_weight)
-        if not full and batch_sizes is not None:  # trusted sizes: no collective, no sync
-            if error is not None:
+            error = ValueError(f"batch_sizes has {len(batch_sizes)} entries {list(batch_sizes)}; allowed: one entry "
+                               f"per rank of the head's group, {self.world_size} (rank {self.rank})")
+        error = error or local_problem(self, embeddings, labels, rows, sample_weight)
+        unknown = embeddings is not None and self.agreed_dtype is None  # the first call agrees on the dtype
+        if not full and batch_sizes is not None and not unknown:  # trusted sizes: no collective, no sync
+            if error is not None:  # the others wait in this step's gathers (an unchecked step: nothing exchanged)
+                error.add_note(f"an unchecked step ({cfg.HEAD_SECTION}.check_interval={self.check_interval}): "
+                               "nothing was exchanged, the other ranks wait in this step's all-gather of the rows")
                 raise error
             if int(batch_sizes[self.rank]) != rows:
                 raise ValueError(f"batch_sizes {list(batch_sizes)} gives rank {self.rank} {batch_sizes[self.rank]} "
                                  f"rows, it passed {rows}")
             return self._replicated_sizes(Verdict([int(b) for b in batch_sizes], labels_checked=False))
-        table = torch.zeros((self.world_size, 5), dtype=torch.int64, device=self.weight.device)
+        table = torch.zeros((self.world_size, TABLE_COLS), dtype=torch.int64, device=self.weight.device)
         table[self.rank, 1].fill_(rows)  # a kernel argument, not host data copied up
+        fill_layout(table[self.rank], embeddings, batch_sizes, self.options_fingerprint)
+        ranged = full or batch_sizes is None  # else the first call's exchange, for the dtype only
         if error is not None:
             table[self.rank, 0].fill_(BAD_INPUT)
-        else:
+        elif ranged:
             fill_verdict(self, table[self.rank], embeddings if full else None, labels)
         if self._unchecked_bad is not None:
             table[self.rank, 4].copy_(self._unchecked_bad)
@@ -244,7 +267,10 @@ class ClassParallelHead(nn.Module):
         rows_of = table.tolist()  # the one host sync of the check
         if self._unchecked_bad is not None:
             self._unchecked_bad.zero_()  # counted: a fresh count (in place: a captured step adds to this tensor)
-        return self._replicated_sizes(decide(self, rows_of, error, batch_sizes, full))
+        verdict = decide(self, rows_of, error, batch_sizes, full)
+        if verdict is not None and not ranged:
+            verdict.labels_checked = False  # flag_unchecked tests them on the gathered labels
+        return self._replicated_sizes(verdict)
 
     def _replicated_sizes(self, verdict: Optional[Verdict]) -> Optional[Verdict]:
         """With ``input_parallel="replicated"`` every rank must pass the same number of rows (the
@@ -303,6 +329,7 @@ class ClassParallelHead(nn.Module):
         gradient of the local mean, as before).
         """
         dp = self.replicas.size  # 2-D: the data-parallel ranks are the class group times the replicas
+        embeddings = self.agreed_rows(embeddings)
         if self.input_parallel == "replicated":  # the rows are the global batch already: (B, d), (B,)
             return replicated_rows(scale_grad(embeddings, float(dp)), self.group), labels.to(torch.int64)
         sizes = None if batch_sizes is None or len(set(batch_sizes)) <= 1 else list(batch_sizes)
@@ -312,6 +339,22 @@ class ClassParallelHead(nn.Module):
         x = all_gather_rows(embeddings, self.group, sizes, grad_scale=float(self.world_size * dp))
         y = all_gather_no_grad(labels.to(torch.int64), self.group, sizes)
         return x, y
+
+    def agreed_rows(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """``embeddings`` in the dtype every rank agreed on, for a gather: as they are when they match; cast
+        (logged once) when an unchecked step brings another dtype (no bytes reinterpreted, no sync); agreed
+        now, raising on every rank when the ranks differ (one small all-gather, once), when no check saw rows
+        yet (the overlap schedule's backbone mode, whose check runs before the rows exist)."""
+        if self.agreed_dtype is None:
+            agree(str(embeddings.dtype), "embeddings.dtype (allowed: one floating-point dtype on every rank)",
+                  self.group)
+            self.agreed_dtype = embeddings.dtype
+        if embeddings.dtype == self.agreed_dtype:
+            return embeddings
+        log_once(log, logging.WARNING, f"rank {self.rank}: embeddings of dtype {embeddings.dtype} in a step without "
+                 f"a check, the ranks agreed on {self.agreed_dtype} at the last one: they are cast to "
+                 f"{self.agreed_dtype} for the gather (no bytes reinterpreted); the next check agrees anew")
+        return embeddings.to(self.agreed_dtype)
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor, sample_weight: Optional[torch.Tensor] = None,
                 batch_sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
@@ -330,11 +373,28 @@ class ClassParallelHead(nn.Module):
         all-reduce. When given, they are checked against the exchanged ones in checked steps and trusted
         (no sync) in unchecked ones (a non-tensor third argument is taken as ``batch_sizes``, the
         argument's earlier place). After the call ``last_lse`` holds every row's lse.
+
+        Under ``torch.no_grad()`` or ``torch.inference_mode()`` (a validation loss) the loss is
+        the exact one over every class, whatever the sampler, and the forward leaves the training
+        state alone: no sampler step (counters, random streams, index upkeep), no check-interval
+        count, and no tensor made in inference mode is kept (it runs with inference mode off, so
+        later training steps can use the workspace). With update lazy_exact the shard is caught up
+        first (every row read current; the trajectory of the training steps is unchanged).
+        A step where every rank has 0 rows (N = 0 over the whole 2-D batch) is a no-op: no
+        sampler step, no check-interval count, and a zero loss with no path to the weight (its
+        ``.grad`` stays None, so the head optimizers, like torch's, neither step nor decay it).
         """
         if sample_weight is not None and not isinstance(sample_weight, torch.Tensor):
             sample_weight, batch_sizes = None, sample_weight  # the earlier signature forward(x, y, batch_sizes)
         shape = labels.shape
         embeddings, labels, sample_weight = self._flatten(embeddings, labels, sample_weight)
+        if not torch.is_grad_enabled():
+            with torch.inference_mode(False), torch.no_grad():  # normal tensors only: nothing cached is poisoned
+                return self._forward(embeddings, labels, sample_weight, batch_sizes, shape, training=False)
+        return self._forward(embeddings, labels, sample_weight, batch_sizes, shape, training=True)
+
+    def _forward(self, embeddings: torch.Tensor, labels: torch.Tensor, sample_weight: Optional[torch.Tensor],
+                 batch_sizes, shape: torch.Size, training: bool) -> torch.Tensor:
         try:
             verdict = self.check_batch(embeddings, labels, batch_sizes, sample_weight=sample_weight)
         except Exception:
@@ -346,19 +406,27 @@ class ClassParallelHead(nn.Module):
         if total_rows is None:  # non-finite input, nonfinite="skip": agreed by every rank (and replica)
             return torch.full(shape if self.loss_options.reduction == "none" else (), float("nan"),
                               device=embeddings.device)
+        if total_rows == 0:  # every rank empty: agreed (the sizes are the same list on every rank)
+            return self._empty_step(embeddings, training, shape)
         x, y = self.gather(embeddings, labels, verdict.sizes)  # (N, d), (N,)
         opts = self.loss_options
         terms = self._row_terms(x, y, sample_weight, verdict.sizes)
         ignored = y == opts.ignore_index
         y_active = torch.where(ignored, torch.full_like(y, -1), y)  # ignored rows: nobody's positives
-        active = self.sampler.sample(y_active, x.detach() if self.sampler.needs_embeddings else None, self.weight)
-        self.last_active = active
-        self.measure_sampler(x, active)
+        if training:
+            active = self.sampler.sample(y_active, x.detach() if self.sampler.needs_embeddings else None,
+                                         self.weight)
+            self.last_active = active
+            self.measure_sampler(x, active)
+        else:  # every class: the exact loss, no sampler state touched
+            self.catch_up()
+            local, mine = local_targets(y_active, self.class_start, self.num_local)
+            active = ActiveSet(index=None, targets=torch.where(mine, local, torch.full_like(local, -1)))
         n = x.shape[0]
         per_row = opts.reduction == "none"
         parts = []
         for rows, index in active.groups():  # one group unless the sampler splits the batch
-            if self.lazy_catch_up is not None:  # lazy_exact: the rows this step reads, up to date
+            if self.lazy_catch_up is not None and training:  # lazy_exact: the rows this step reads, up to date
                 self.lazy_catch_up(index, active=True)
             if index is None:
                 w = self.weight  # (L, d)
@@ -413,19 +481,42 @@ class ClassParallelHead(nn.Module):
         start = sum(sizes[: self.rank])
         return t[start: start + sizes[self.rank]]
 
+    def empty_step(self, training: bool = True) -> None:
+        """Book a step where every rank had 0 rows (agreed by the input check) as not made: the check_interval
+        count goes back, nothing else of the head's state moved; logged at debug level. The callers (forward,
+        the overlap schedule) then skip the sampler and the weight gradient."""
+        self._calls -= int(training)
+        log.debug("rank %d: every rank passed 0 rows; the head's step is a no-op (no sampler step, no weight "
+                  "gradient)", self.rank)
+
+    def _empty_step(self, embeddings: torch.Tensor, training: bool, shape: torch.Size) -> torch.Tensor:
+        """The loss of a step where every rank has 0 rows: 0 (reduction none: zeros of the labels'
+        shape), in the loss's dtype, differentiable (through the empty embeddings when they need a
+        gradient) but with no path to the weight; the call is not counted (as if it was not made)."""
+        self.empty_step(training)
+        dtype = torch.float64 if self.weight.dtype == torch.float64 else torch.float32
+        zero = torch.zeros((), dtype=dtype, device=self.weight.device)
+        if self.loss_options.reduction == "none":  # this rank's (empty) rows: the labels' shape
+            zero = torch.zeros(shape, dtype=dtype, device=self.weight.device)
+        if training and embeddings.requires_grad:
+            return zero + embeddings.sum().to(dtype) * 0.0  # (0, d): a zero gradient for the backbone
+        return zero.requires_grad_(training)
+
     # ------------------------------------------------------------------ sampler upkeep and metrics
     def rebuild_index(self) -> None:
         """Rebuild the sampler's index (ANN) or graph (kNN) from the current weights now."""
         if hasattr(self.sampler, "rebuild"):
             self.catch_up()
-            self.sampler.rebuild(self.weight)
+            with torch.inference_mode(False), torch.no_grad():  # an index made of inference tensors breaks training
+                self.sampler.rebuild(self.weight)
 
     def catch_up(self) -> None:
         """With update lazy_exact: bring every row of the shard up to date (a no-op otherwise).
         Call before anything reads the whole shard; topk, rebuild_index, the sampler's rebuilds and
         dense re-encodes, the quality metrics and state_dict do."""
         if self.lazy_catch_up is not None:
-            self.lazy_catch_up(None)
+            with torch.inference_mode(False), torch.no_grad():  # any caller's mode: the state stays normal tensors
+                self.lazy_catch_up(None)
 
     def _catch_up_rows(self, rows: Optional[torch.Tensor]) -> None:
         """The sampler's ``before_read``: local rows (R,) (None: all) up to date before it reads them."""
@@ -461,21 +552,31 @@ class ClassParallelHead(nn.Module):
 
         Class-parallel: every rank scores the gathered batch against its shard (cosine for
         margin losses, x.w for softmax), in row chunks, and the per-shard top-k are merged.
-        Every rank of the group must call it with its own batch (B may differ, and be 0).
+        Every rank of the group must call it with its own batch (B may differ, and be 0; when
+        every rank has 0 rows the result is an empty (0, k) on every rank, nothing gathered).
         k is capped at num_classes; a shard with fewer than k classes pads its candidates
-        with (-inf, -1), so every rank sends the same (N, k) block. The row counts are
-        exchanged (one small all-gather; ``batch_sizes``, if given, is checked against them).
+        with (-inf, -1), so every rank sends the same (N, k) block. The ranks first agree (one
+        small all-gather, ds_xc/head/checks.py ``agree_topk``) on k, the embeddings' dtype and
+        width, and their row counts (``batch_sizes``, if given, is checked against them): any
+        difference or bad input raises on every rank. A row holding NaN or Inf gets ids -1 in
+        all k places (no class is ranked for it; logged as a warning naming the ranks).
+        Runs with inference mode off (under no_grad): the lazy_exact catch-up it triggers keeps
+        no inference tensor in the optimizer's state, whatever mode the caller is in.
         """
-        if k < 1:
-            raise ValueError(f"topk: k must be >= 1, got {k} (rank {self.rank})")
+        with torch.inference_mode(False), torch.no_grad():
+            return self._topk(embeddings, k, batch_sizes, chunk_size)
+
+    def _topk(self, embeddings: torch.Tensor, k: int, batch_sizes, chunk_size) -> torch.Tensor:
+        sizes, nonfinite = agree_topk(self, embeddings, k, batch_sizes)
         k = min(int(k), self.num_classes)
-        sizes = exchange_sizes(embeddings.shape[0], self.group, embeddings.device)
-        if batch_sizes is not None and [int(b) for b in batch_sizes] != sizes:
-            raise ValueError(f"topk: batch_sizes {list(batch_sizes)} do not match the rows the ranks passed, "
-                             f"{sizes} (this is rank {self.rank})")
         replicated = self.input_parallel == "replicated"
         if replicated:
             self._replicated_sizes(Verdict(sizes, labels_checked=False))
+        if sum(sizes) == 0:  # every rank empty (agreed): nothing to gather or rank
+            return torch.empty((0, k), dtype=torch.int64, device=embeddings.device)
+        if any(nonfinite):
+            log.warning("topk: rank(s) %s passed rows holding NaN or Inf (%s rows); their ids are -1 (rank %d)",
+                        [r for r, c in enumerate(nonfinite) if c], [c for c in nonfinite if c], self.rank)
         uneven = sizes if len(set(sizes)) > 1 else None
         self.catch_up()
         x = embeddings if replicated else all_gather_no_grad(embeddings, self.group, uneven)
@@ -493,6 +594,8 @@ class ClassParallelHead(nn.Module):
             v, i = shard_topk(x[a: a + step], w, kl)  # (n, kl)
             vals[a: a + step, :kl], ids[a: a + step, :kl] = v, i + self.class_start
         ids = merge_topk(vals, ids, k, self.group)  # (N, k); k <= C real candidates: never a pad
+        if any(nonfinite):  # the rows' scores are NaN: no class is ranked for them
+            ids = ids.masked_fill(~torch.isfinite(x).all(dim=1, keepdim=True), -1)
         if replicated:
             return ids
         start = sum(sizes[: self.rank])
@@ -537,4 +640,5 @@ class ClassParallelHead(nn.Module):
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)
         self.sampler.to(self.weight.device)
+        self.options_fingerprint = options_fingerprint(self)  # head.double() and the like change the dtype
         return out

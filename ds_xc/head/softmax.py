@@ -34,7 +34,7 @@ from ds_xc_ops.matmul import addmm_f32_, mm_f32, tensor_cores
 from ds_xc_ops.softmax_rows import exp_rows_
 
 __all__ = ["sharded_margin_loss", "fused_loss_and_grads", "finish_weight_grad", "inverse_row_norms", "Reducer",
-           "merge_row_stats"]
+           "merge_row_stats", "normalise_grad_scale"]
 
 _EPS = 1e-12
 
@@ -274,6 +274,14 @@ def inverse_row_norms(w: torch.Tensor, loss: TargetLoss) -> Optional[torch.Tenso
     return (1.0 / w.to(_stat_dtype(w.dtype)).norm(dim=1).clamp_min(_EPS)) if loss.normalised else None
 
 
+def normalise_grad_scale(x: torch.Tensor) -> torch.Tensor:
+    """(n,) the factor of the normalisation's backward for the rows of ``x`` (n, d): 1/|x_i|, and 0 for a row of
+    norm <= eps (an all-zero embedding has no direction: its gradient is defined as 0, where F.normalize's
+    1/eps would multiply it by 10^12). Both softmax backends use it."""
+    norm = x.norm(dim=1)
+    return torch.where(norm > _EPS, 1.0 / norm.clamp_min(_EPS), torch.zeros_like(norm))
+
+
 def finish_weight_grad(gw: torch.Tensor, w: torch.Tensor, rw: Optional[torch.Tensor], loss: TargetLoss) -> None:
     """Cosine losses: turn the accumulated G = rw * d/d(w/|w|) into d/dW, in place, row-wise:
     dW_j = G_j - rw_j^2 <W_j, G_j> W_j (no (K, d) temporary). Plain softmax: nothing to do."""
@@ -390,7 +398,7 @@ def _run_chunks(xw, w, rw, targets, loss: TargetLoss, red: Reducer, step: int, b
                 gxs -= b[:, None] * (wsum[None, :] if fc is None else _mm_rows(fc, w))
             if loss.normalised:  # through x/|x|: remove the radial part, divide by |x|
                 radial = (gxs * xs).sum(dim=1, keepdim=True)
-                gxs = (gxs - xs * radial) * (1.0 / xc.to(sd).norm(dim=1).clamp_min(_EPS))[:, None]
+                gxs = (gxs - xs * radial) * normalise_grad_scale(xc.to(sd))[:, None]
             gx[a: a + step] = gxs
         if need_gw:
             xs_sd = xs.to(sd)

@@ -34,7 +34,7 @@ import torch
 from ds_xc.head.margins import TargetLoss
 from ds_xc.head.row_terms import DEFAULT_TERMS, RowTerms
 from ds_xc_ops.triton_util import device_guard, interpreting
-from ds_xc.head.softmax import Reducer, finish_weight_grad, inverse_row_norms, merge_row_stats
+from ds_xc.head.softmax import Reducer, finish_weight_grad, inverse_row_norms, merge_row_stats, normalise_grad_scale
 
 __all__ = ["triton_fused_loss_and_grads", "TileConfig", "default_tiles", "gpu_tiles", "SUPPORTED_DTYPES"]
 
@@ -317,7 +317,7 @@ def triton_fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch
         gx = a if a is not None else torch.zeros(x.shape, dtype=torch.float32, device=dev)
         if loss.normalised:  # through x/|x|: remove the radial part, divide by |x|
             xhat = x.float() * r.rx[:, None]  # (N, d)
-            gx = (gx - xhat * (gx * xhat).sum(dim=1, keepdim=True)) * r.rx[:, None]
+            gx = (gx - xhat * (gx * xhat).sum(dim=1, keepdim=True)) * normalise_grad_scale(x.float())[:, None]
     if need_gw and finish:
         finish_weight_grad(gw, w, r.rw, loss)
     return total, gx, gw

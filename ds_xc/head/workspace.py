@@ -37,8 +37,10 @@ class Workspace:
 
     def buffer(self, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An uninitialised contiguous tensor of ``shape``: the kept one of ``name`` when it fits,
-        else a new one (kept if at most ``keep_bytes``)."""
+        else a new one (kept if at most ``keep_bytes``, and not made under ``torch.inference_mode``)."""
         numel = math.prod(int(s) for s in shape)
+        if torch.is_inference_mode_enabled():  # a tensor made now is an inference tensor, and one handed out now
+            return torch.empty(shape, dtype=dtype, device=device)  # could become one: transient, nothing kept
         kept = self._kept.get(name)
         if kept is not None and kept.dtype == dtype and kept.device == torch.device(device) \
                 and kept.numel() >= numel:

@@ -157,7 +157,8 @@ class ChunkedHeadSchedule:
         embeds, gathers = [], []
         for c, emb in enumerate(chunks):
             embeds.append(emb)
-            gathers.append(PendingGather(emb.detach(), per_chunk[c], self.comm_group, self.timeline, "gather",
+            rows = head.agreed_rows(emb.detach())  # backbone mode: the dtype agreed (first call) or cast
+            gathers.append(PendingGather(rows, per_chunk[c], self.comm_group, self.timeline, "gather",
                                          blocking=not self.overlap) if sum(per_chunk[c]) else None)
         gathered: list = [None] * self.num_chunks
         if known is None and verdict.full:  # backbone mode: the embeddings only exist now
@@ -181,6 +182,12 @@ class ChunkedHeadSchedule:
             return torch.full((), float("nan"), dtype=torch.float64, device=device)
         verdict, per_chunk, positions, y, embeds, gathers, gathered = begun
         n = sum(verdict.sizes)
+        loss_dtype = head.weight.dtype if head.weight.dtype == torch.float64 else torch.float32
+        if n == 0:  # every rank empty (agreed): a no-op for the head, as in ClassParallelHead.forward
+            head.empty_step(torch.is_grad_enabled())
+            if own_step:
+                tl.end_step()
+            return torch.zeros((), dtype=loss_dtype, device=device)
         need_gx = any(e.requires_grad for e in embeds)
         need_gw = head.weight.requires_grad and torch.is_grad_enabled()
 
@@ -225,22 +232,26 @@ class ChunkedHeadSchedule:
             backward(0, whole, grad.to(whole.dtype), True)
 
         if need_gw:
-            for (_, _, w), rw, gw in zip(groups, norms, gw_sum):
-                if gw is not None:
-                    finish_weight_grad(gw, w, rw, head.loss_fn)
-            self._deliver_weight_grad(groups, gw_sum, weight_grad_scale / safe)
+            self._finish_weight_grads(groups, norms, gw_sum, weight_grad_scale / safe)
         if self._keep_for_metrics():
             if x_serial is None:
                 x_serial = self._assemble(gathers, gathered, positions, n)
             head.measure_sampler(x_serial, active)
         loss = mean_of(total, denom.to(total.dtype)) if head.loss_options.reduction == "mean" else total
-        loss = loss.to(head.weight.dtype if head.weight.dtype == torch.float64 else torch.float32)
+        loss = loss.to(loss_dtype)
         start = sum(verdict.sizes[: head.rank])
         head.last_lse = lse_all[start: start + verdict.sizes[head.rank]]  # (B,) this rank's rows
         loss = head.flag_unchecked(loss, y, verdict)
         if own_step:
             tl.end_step()
         return loss
+
+    def _finish_weight_grads(self, groups, norms, gw_sum, scale) -> None:
+        """Apply the normalisation backward to each group's accumulated (K, d) gradient, then deliver them."""
+        for (_, _, w), rw, gw in zip(groups, norms, gw_sum):
+            if gw is not None:
+                finish_weight_grad(gw, w, rw, self.head.loss_fn)
+        self._deliver_weight_grad(groups, gw_sum, scale)
 
     def _gathered_finite(self, gathers, gathered, sizes) -> bool:
         """Backbone mode: the embeddings' finiteness, checked on the gathered rows (the same on every
