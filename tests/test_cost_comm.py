@@ -87,7 +87,7 @@ def test_sizes_and_backbone():
                           backbone_params=1000)
     by = {c.name: c for c in cs}
     assert by["gather_embeddings"].nbytes == 4 * 4 * DIM * 4 and by["gather_labels"].nbytes == 4 * 4 * 8
-    assert by["scatter_grad"].nbytes == 4 * 4 * DIM * 4 and by["input_check"].nbytes == 4 * 40
+    assert by["scatter_grad"].nbytes == 4 * 4 * DIM * 4 and by["input_check"].nbytes == 4 * 72
     assert by["softmax_stats"].nbytes == 4 * 16 * 3 * 4  # (P n, 3) float32, n = 16 rows
     assert by["backbone_grads"].nbytes == 4000 and by["backbone_grads"].group == "data"
     assert step_collectives(section, world_size=1, global_batch=9) == []

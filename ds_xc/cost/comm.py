@@ -10,7 +10,7 @@ softmax chunk, G ANN sample groups, e bytes of an embedding element.
 ==================  ==============  =======================  =====================================
 name                kind            nbytes (whole buffer)    code
 ==================  ==============  =======================  =====================================
-input_check         all_reduce      40 P  ((P, 5) int64)     ClassParallelHead.check_batch
+input_check         all_reduce      72 P  ((P, 9) int64)     ClassParallelHead.check_batch
 gather_embeddings   all_gather      P B d e  (output)        collectives.all_gather_rows (forward)
 gather_labels       all_gather      8 P B                    collectives.all_gather_no_grad
 softmax_stats       all_gather      12 P n, per chunk        softmax._chunk_step, red.gather (n, 3)
@@ -181,7 +181,7 @@ def step_collectives(ds_config: dict, *, world_size: int, global_batch: Optional
     if p > 1:
         check = 1.0 if not sizes_known else (1.0 / head.check_interval if head.check_inputs else 0.0)
         if check:
-            out.append(Collective("input_check", "all_reduce", p, 40 * p, check))
+            out.append(Collective("input_check", "all_reduce", p, 72 * p, check))  # (P, 9) int64: checks.TABLE_COLS
         out += [Collective("gather_embeddings", "all_gather", p, p * rows * head.embedding_dim * e),
                 Collective("gather_labels", "all_gather", p, p * rows * 8)]
         stat = 8 if head.dtype == "float64" else 4
