@@ -13,7 +13,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import linear_ce  # noqa: E402
 
 
-def test_smoke_runs_every_variant_on_the_same_problem(tmp_path, capsys):
+@pytest.mark.slow  # five fresh processes, each importing torch (and one ds_xc): 20-30 s on 2 busy cores
+def test_smoke_runs_every_variant_on_the_same_problem(tmp_path):
     out = tmp_path / "linear_ce.md"
     rows = linear_ce.main(["--smoke", "--out", str(out)])
     kinds = [r["kind"] for r in rows]
