@@ -391,9 +391,9 @@ def _run_chunks(xw, w, rw, targets, loss: TargetLoss, red: Reducer, step: int, b
         # every row takes its target term: g_t is 0 on rows whose target is on another rank (static
         # shapes, no host sync); those rows point at column 0 and add exact zeros there
         tcol = tc.clamp_min(0)  # (n,)
-        if need_gx:
-            gxs = ew * inv[:, None]  # (n, d): d/d(xs)
-            gxs += g_t[:, None] * w.index_select(0, tcol).to(sd)
+        if need_gx:  # in place on ew (this chunk's own (n, d)): one (n, d) less at the peak
+            gxs = ew.mul_(inv[:, None])  # (n, d): d/d(xs)
+            gxs.addcmul_(w.index_select(0, tcol).to(sd), g_t[:, None])
             if b is not None:  # the smoothing: -b_i sum_j F_ij w_j
                 gxs -= b[:, None] * (wsum[None, :] if fc is None else _mm_rows(fc, w))
             if loss.normalised:  # through x/|x|: remove the radial part, divide by |x|
@@ -414,6 +414,7 @@ def _run_chunks(xw, w, rw, targets, loss: TargetLoss, red: Reducer, step: int, b
                 _add_rows(gw, tcol, t_rows)
             else:
                 targets_gw.append((tcol, t_rows))
+        rows = m = xs = ew = gxs = t_rows = None  # this chunk's (n, d) temporaries freed before the next's
     if bx is not None and need_gw and n_rows:  # the smoothing's rank-1 share of dW: -colfac_j bx
         if folded is not None or colfac is None:  # folded: the column factors come with the multiply below
             gw -= bx[None, :]
