@@ -47,7 +47,7 @@ def test_full_head_flops_by_hand():
     # all-gather of (32, 3) float32 row statistics per chunk (128 rows in chunks of 32), the
     # gradient's reduce-scatter
     assert w2["collectives"] == 4 + 4
-    assert w2["comm_bytes"] == 40 * 2 + 2 * 128 * 16 * 4 + 128 * 8 + 4 * (2 * 32 * 3 * 4)
+    assert w2["comm_bytes"] == 72 * 2 + 2 * 128 * 16 * 4 + 128 * 8 + 4 * (2 * 32 * 3 * 4)
 
 
 def test_uniform_head_flops_by_hand():
@@ -97,12 +97,12 @@ def test_distinct_rows_and_predicted_parts():
     assert st.parts["overhead"] == 0.5 and st.parts["comm"] == 0.0
     assert st.total_s == pytest.approx(sum(st.parts.values()))
     # 2 ranks: ring steps of 1 ms each plus 2 ns per byte of a step (half the buffer with P = 2):
-    # input check 2 steps of 80 B, the gathers 1 step each (of 128 x 16 x 4 and 128 x 8 B), 4 chunks
+    # input check 2 steps of 144 B, the gathers 1 step each (of 128 x 16 x 4 and 128 x 8 B), 4 chunks
     # of 1 all-gather (1 step of 32 x 3 x 4 B), the gradient's reduce-scatter (gloo: an all-reduce,
     # 2 steps of 128 x 16 x 4 B)
     st2 = predict_step_time(_raw(), world_size=2, constants=c)
     steps = 2 + 1 + 1 + 4 * 1 + 2
-    step_bytes = (2 * 80 + 128 * 16 * 4 + 128 * 8 + 4 * (2 * 32 * 3 * 4) + 2 * 128 * 16 * 4) / 2
+    step_bytes = (2 * 144 + 128 * 16 * 4 + 128 * 8 + 4 * (2 * 32 * 3 * 4) + 2 * 128 * 16 * 4) / 2
     assert st2.parts["comm"] == pytest.approx(steps * 1e-3 + step_bytes * 2e-9)
 
 
