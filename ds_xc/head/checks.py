@@ -29,7 +29,7 @@ from ds_xc.parallel.groups import comm_device, is_distributed
 log = logging.getLogger(__name__)
 
 __all__ = ["BAD_INPUT", "NONFINITE", "TABLE_COLS", "Verdict", "local_problem", "check_comm_device", "fill_verdict",
-           "fill_layout", "decide", "dtype_code", "agree_layout"]
+           "fill_layout", "decide", "dtype_code", "agree_layout", "batch_sizes_length_error"]
 
 BAD_INPUT, NONFINITE = 2, 1  # per-rank verdict codes (larger = worse)
 TABLE_COLS = 9  # columns of the check's table (module docstring)
@@ -241,6 +241,14 @@ def decide(head, rows_of: list, error: Optional[Exception], batch_sizes, full: b
     return None
 
 
+def batch_sizes_length_error(head, batch_sizes, what: str = "") -> Optional[ValueError]:
+    """The error for ``batch_sizes`` without one entry per rank of the head's group (None: fine or not given)."""
+    if batch_sizes is None or len(batch_sizes) == head.world_size:
+        return None
+    return ValueError(f"{what}batch_sizes has {len(batch_sizes)} entries {list(batch_sizes)}; allowed: one entry "
+                      f"per rank of the head's group, {head.world_size} (rank {head.rank})")
+
+
 def agree_topk(head, embeddings: torch.Tensor, k: int, batch_sizes) -> tuple[list, list]:
     """``ClassParallelHead.topk``'s input check, agreed before its gathers: every rank sends [error flag, rows,
     embedding dtype code, width, k, batch_sizes fingerprint, rows with NaN/Inf] in one small all-gather (one
@@ -252,9 +260,8 @@ def agree_topk(head, embeddings: torch.Tensor, k: int, batch_sizes) -> tuple[lis
     error = None
     if k < 1:
         error = ValueError(f"topk: k must be >= 1, got {k} (rank {head.rank})")
-    elif batch_sizes is not None and len(batch_sizes) != head.world_size:
-        error = ValueError(f"topk: batch_sizes has {len(batch_sizes)} entries {list(batch_sizes)}; allowed: one entry "
-                           f"per rank of the head's group, {head.world_size} (rank {head.rank})")
+    elif (error := batch_sizes_length_error(head, batch_sizes, "topk: ")) is not None:
+        pass
     elif embeddings.dim() != 2 or embeddings.shape[1] != head.embedding_dim:
         error = ValueError(f"topk: embeddings must have shape (batch, {head.embedding_dim}), got "
                            f"{tuple(embeddings.shape)} {where}")

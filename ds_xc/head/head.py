@@ -25,14 +25,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ds_xc import config as cfg
-from ds_xc.head.checks import (BAD_INPUT, TABLE_COLS, Verdict, agree_topk, decide, fill_layout, fill_verdict,
-                               local_problem, options_fingerprint)
+from ds_xc.head.checks import (BAD_INPUT, TABLE_COLS, Verdict, agree_topk, batch_sizes_length_error, decide,
+                               fill_layout, fill_verdict, local_problem, options_fingerprint)
 from ds_xc.head.fingerprint import weight_checksum as _checksum
 from ds_xc.head.margins import TargetLoss, build_loss
 from ds_xc.head.partition import init_shard, shard_range, shard_topk
 from ds_xc.head.replicas import Replicas
 from ds_xc.head.row_terms import LossOptions, RowTerms, mean_of
-from ds_xc.head.softmax import sharded_margin_loss
+from ds_xc.head.softmax import sharded_margin_loss, stat_dtype
 from ds_xc.head.workspace import Workspace, gather_rows
 from ds_xc.parallel.collectives import (all_gather_no_grad, all_gather_rows, merge_topk,
                                         replicated_rows, scale_grad)
@@ -237,11 +237,8 @@ class ClassParallelHead(nn.Module):
         training = torch.is_grad_enabled()  # a forward without grad (a validation loss) is always checked ...
         full = self.check_inputs and (self._calls % self.check_interval == 0 or not training)
         self._calls += int(training)  # ... and leaves the training steps' check cadence as it was
-        error = None
-        if batch_sizes is not None and len(batch_sizes) != self.world_size:
-            error = ValueError(f"batch_sizes has {len(batch_sizes)} entries {list(batch_sizes)}; allowed: one entry "
-                               f"per rank of the head's group, {self.world_size} (rank {self.rank})")
-        error = error or local_problem(self, embeddings, labels, rows, sample_weight)
+        error = batch_sizes_length_error(self, batch_sizes) or local_problem(self, embeddings, labels, rows,
+                                                                               sample_weight)
         unknown = embeddings is not None and self.agreed_dtype is None  # the first call agrees on the dtype
         if not full and batch_sizes is not None and not unknown:  # trusted sizes: no collective, no sync
             if error is not None:  # the others wait in this step's gathers (an unchecked step: nothing exchanged)
@@ -411,8 +408,7 @@ class ClassParallelHead(nn.Module):
         x, y = self.gather(embeddings, labels, verdict.sizes)  # (N, d), (N,)
         opts = self.loss_options
         terms = self._row_terms(x, y, sample_weight, verdict.sizes)
-        ignored = y == opts.ignore_index
-        y_active = torch.where(ignored, torch.full_like(y, -1), y)  # ignored rows: nobody's positives
+        y_active = opts.positives(y)  # ignored rows: nobody's positives
         if training:
             active = self.sampler.sample(y_active, x.detach() if self.sampler.needs_embeddings else None,
                                          self.weight)
@@ -436,14 +432,14 @@ class ClassParallelHead(nn.Module):
                 x[rows], w, active.targets[rows], self.loss_fn, self.group, self.chunk_size, self.softmax_backend,
                 self.workspace, terms.slice(rows.start or 0, rows.stop if rows.stop is not None else n),
                 "none" if per_row else "sum", sum_grad_rows=self.input_parallel == "data"))
-        self.last_lse = self._own_rows(terms.lse_out, verdict.sizes).reshape(shape)
+        self.last_lse = self.own_rows(terms.lse_out, verdict.sizes).reshape(shape)
         if per_row:  # (N,) -> this rank's rows, the labels' shape
-            out = self._own_rows(torch.cat(parts) if len(parts) > 1 else parts[0], verdict.sizes).reshape(shape)
+            out = self.own_rows(torch.cat(parts) if len(parts) > 1 else parts[0], verdict.sizes).reshape(shape)
             return self.flag_unchecked(out, y, verdict)
         total = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
         total = self.flag_unchecked(total, y, verdict)
         weight_sum = terms.weight.sum()
-        if opts.reduction == "sum" or total_rows == 0:  # no rows at all (known on the host): a zero loss, as ever
+        if opts.reduction == "sum":
             return self.replicas.global_sum(total)
         if self.replicas.active:
             return self.replicas.global_mean(total, weight_sum)
@@ -460,21 +456,18 @@ class ClassParallelHead(nn.Module):
 
     def _row_terms(self, x, y, sample_weight, sizes) -> RowTerms:
         """The rows' weights v (N,) (sample weights, all-gathered; 0 where ignored) and the loss options."""
-        opts = self.loss_options
-        sd = torch.float64 if self.weight.dtype == torch.float64 else torch.float32
-        v = (y != opts.ignore_index).to(sd)  # (N,)
+        sd = stat_dtype(self.weight.dtype)
+        sw = None
         if sample_weight is not None:
             sw = sample_weight.detach().to(sd)
             if self.input_parallel != "replicated":  # (N,), in the rows' rank order
                 uneven = sizes if len(set(sizes)) > 1 else None
                 sw = all_gather_no_grad(sw, self.group, uneven) if self.node_gather is None \
                     else self.node_gather.gather(sw, uneven)
-            v = v * sw
         lse = torch.empty(x.shape[0], dtype=sd, device=x.device)  # (N,)
-        return RowTerms(weight=v, smoothing=opts.label_smoothing, z_loss=opts.z_loss, softcap=opts.softcap,
-                        num_classes=self.num_classes, lse_out=lse, signed=sample_weight is not None)
+        return self.loss_options.row_terms(y, self.num_classes, sd, sw, lse_out=lse)
 
-    def _own_rows(self, t: torch.Tensor, sizes) -> torch.Tensor:
+    def own_rows(self, t: torch.Tensor, sizes) -> torch.Tensor:
         """This rank's rows of a gathered (N,) tensor (all of them with replicated input); detached for lse."""
         if self.input_parallel == "replicated":
             return t
@@ -494,10 +487,9 @@ class ClassParallelHead(nn.Module):
         shape), in the loss's dtype, differentiable (through the empty embeddings when they need a
         gradient) but with no path to the weight; the call is not counted (as if it was not made)."""
         self.empty_step(training)
-        dtype = torch.float64 if self.weight.dtype == torch.float64 else torch.float32
-        zero = torch.zeros((), dtype=dtype, device=self.weight.device)
-        if self.loss_options.reduction == "none":  # this rank's (empty) rows: the labels' shape
-            zero = torch.zeros(shape, dtype=dtype, device=self.weight.device)
+        dtype = stat_dtype(self.weight.dtype)
+        zero = torch.zeros(shape if self.loss_options.reduction == "none" else (),  # none: this rank's (empty) rows
+                           dtype=dtype, device=self.weight.device)
         if training and embeddings.requires_grad:
             return zero + embeddings.sum().to(dtype) * 0.0  # (0, d): a zero gradient for the backbone
         return zero.requires_grad_(training)

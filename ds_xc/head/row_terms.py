@@ -82,6 +82,20 @@ class LossOptions:
                                       f"sampler {sampler!r} (it needs all C classes' logits, a sampled head scores "
                                       f"only its active classes): set {key} 0 or use sampler 'full'")
 
+    def positives(self, y: torch.Tensor) -> torch.Tensor:
+        """The labels (N,) a sampler sees: ignored rows as -1, nobody's positives."""
+        return torch.where(y == self.ignore_index, torch.full_like(y, -1), y)
+
+    def row_terms(self, y: torch.Tensor, num_classes: int, dtype: torch.dtype,
+                  sample_weight: Optional[torch.Tensor] = None, lse_out: Optional[torch.Tensor] = None) -> "RowTerms":
+        """The terms of the rows labelled ``y`` (N,): weights v (N,) in ``dtype``, 0 where ignored, times
+        ``sample_weight`` (N,) when given (then ``signed``: it may be negative), and these options."""
+        v = (y != self.ignore_index).to(dtype)  # (N,)
+        if sample_weight is not None:
+            v = v * sample_weight
+        return RowTerms(weight=v, smoothing=self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
+                        num_classes=num_classes, lse_out=lse_out, signed=sample_weight is not None)
+
     def describe(self) -> str:
         parts = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
                  if getattr(self, f.name) != f.default]

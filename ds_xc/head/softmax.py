@@ -71,7 +71,7 @@ class _Gathered:
         return self.out
 
 
-def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
+def stat_dtype(dtype: torch.dtype) -> torch.dtype:
     """Softmax statistics run in at least float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -271,7 +271,7 @@ def _accumulate(gw: torch.Tensor, m: torch.Tensor, x: torch.Tensor, first: bool)
 
 def inverse_row_norms(w: torch.Tensor, loss: TargetLoss) -> Optional[torch.Tensor]:
     """(K,) 1/|w_j| in the statistics dtype for cosine losses; None for plain softmax."""
-    return (1.0 / w.to(_stat_dtype(w.dtype)).norm(dim=1).clamp_min(_EPS)) if loss.normalised else None
+    return (1.0 / w.to(stat_dtype(w.dtype)).norm(dim=1).clamp_min(_EPS)) if loss.normalised else None
 
 
 def normalise_grad_scale(x: torch.Tensor) -> torch.Tensor:
@@ -334,7 +334,7 @@ def fused_loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor
     need_grad = need_gx or need_gw
     red = Reducer(group)
     n_rows, k = x.shape[0], w.shape[0]
-    sd = _stat_dtype(w.dtype)
+    sd = stat_dtype(w.dtype)
     xw = x.to(w.dtype)
     if rw is None:
         rw = inverse_row_norms(w, loss)  # (K,)
@@ -445,7 +445,7 @@ class _ShardedMarginLoss(torch.autograd.Function):
         terms = DEFAULT_TERMS if terms is None else terms
         ctx.dtypes = (x.dtype, w.dtype)
         if per_row:
-            rows = torch.empty(x.shape[0], dtype=_stat_dtype(w.dtype), device=x.device)  # (N,)
+            rows = torch.empty(x.shape[0], dtype=stat_dtype(w.dtype), device=x.device)  # (N,)
             terms = terms.but(rows_out=rows)
             fused_loss_and_grads(x, w, targets, loss, group, chunk_size, False, False, backend=backend,
                                  workspace=workspace, terms=terms)
@@ -482,7 +482,7 @@ class _ShardedMarginLoss(torch.autograd.Function):
 def _replay_rows(replay, grad_rows: torch.Tensor):
     """reduction 'none': the gradients of sum_i g_i v_i row_i, g the upstream gradient of the rows (N,)."""
     x, w, targets, loss, group, chunk_size, backend, workspace, terms, sum_grad_rows, needs = replay
-    g = grad_rows.to(_stat_dtype(w.dtype)).contiguous().clone()
+    g = grad_rows.to(stat_dtype(w.dtype)).contiguous().clone()
     if sum_grad_rows:  # every rank passed the gradient of its own rows (zeros elsewhere)
         collectives.all_reduce_sum_(g, group)
     weight = g if terms.weight is None else g * terms.weight

@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from ds_xc import config as cfg
-from ds_xc.head.row_terms import RowTerms, mean_of
-from ds_xc.head.softmax import finish_weight_grad, fused_loss_and_grads, inverse_row_norms
+from ds_xc.head.row_terms import mean_of
+from ds_xc.head.softmax import finish_weight_grad, fused_loss_and_grads, inverse_row_norms, stat_dtype
 from ds_xc.overlap.comm import PendingGather, PendingReduceScatter, split_sizes
 from ds_xc.parallel.timeline import Timeline
 from ds_xc.parallel.groups import copy_group
@@ -182,7 +182,7 @@ class ChunkedHeadSchedule:
             return torch.full((), float("nan"), dtype=torch.float64, device=device)
         verdict, per_chunk, positions, y, embeds, gathers, gathered = begun
         n = sum(verdict.sizes)
-        loss_dtype = head.weight.dtype if head.weight.dtype == torch.float64 else torch.float32
+        loss_dtype = stat_dtype(head.weight.dtype)
         if n == 0:  # every rank empty (agreed): a no-op for the head, as in ClassParallelHead.forward
             head.empty_step(torch.is_grad_enabled())
             if own_step:
@@ -196,8 +196,7 @@ class ChunkedHeadSchedule:
         if sampler.needs_embeddings:  # the active set depends on every row's embedding: wait for all
             x_serial = self._assemble(gathers, gathered, positions, n)
         terms, lse_all, denom = self._row_terms(y, n)
-        active = sampler.sample(torch.where(y == head.loss_options.ignore_index, torch.full_like(y, -1), y),
-                                x_serial, head.weight)  # ignored rows: nobody's positives
+        active = sampler.sample(head.loss_options.positives(y), x_serial, head.weight)  # ignored: no positives
         head.last_active = active
         if head.lazy_catch_up is not None:  # update lazy_exact: the rows read below, up to date
             for _, index in active.groups():
@@ -239,8 +238,7 @@ class ChunkedHeadSchedule:
             head.measure_sampler(x_serial, active)
         loss = mean_of(total, denom.to(total.dtype)) if head.loss_options.reduction == "mean" else total
         loss = loss.to(loss_dtype)
-        start = sum(verdict.sizes[: head.rank])
-        head.last_lse = lse_all[start: start + verdict.sizes[head.rank]]  # (B,) this rank's rows
+        head.last_lse = head.own_rows(lse_all, verdict.sizes)  # (B,) this rank's rows
         loss = head.flag_unchecked(loss, y, verdict)
         if own_step:
             tl.end_step()
@@ -295,10 +293,9 @@ class ChunkedHeadSchedule:
         lse buffer, and the mean's denominator (the non-ignored rows; 1 for reduction 'sum')."""
         head = self.head
         opts = head.loss_options
-        sd = torch.float64 if head.weight.dtype == torch.float64 else torch.float32
-        v = (y != opts.ignore_index).to(sd)  # (N,)
-        terms = RowTerms(weight=v, smoothing=opts.label_smoothing, z_loss=opts.z_loss, softcap=opts.softcap,
-                         num_classes=head.num_classes)
+        sd = stat_dtype(head.weight.dtype)
+        terms = opts.row_terms(y, head.num_classes, sd)
+        v = terms.weight  # (N,)
         denom = v.sum() if opts.reduction == "mean" and n else torch.ones((), dtype=sd, device=v.device)
         return terms, torch.empty(n, dtype=sd, device=v.device), denom
 
