@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from tests.example_launch import example_command
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = ["--steps", "6"]
 
@@ -25,12 +27,8 @@ def _run(tmp_path, script, nproc, *args):
 
 def _launch(tmp_path, script, nproc, *args):
     out = tmp_path / f"{script}_{nproc}_{'_'.join(args) or 'dense'}.json"
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]))
-    launcher = [sys.executable] if nproc == 0 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                    "--nproc_per_node", str(nproc)]
-    cmd = launcher + [os.path.join(ROOT, "examples", f"{script}.py"), *STEPS, "--out", str(out), *args]
+    cmd, env = example_command(script, nproc)
+    cmd += [*STEPS, "--out", str(out), *args]
     for attempt in range(3):
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         # A rank that finished its steps and wrote its result sometimes aborts while the process

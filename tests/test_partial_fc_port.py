@@ -6,11 +6,11 @@ writes its head shard each epoch, and a resumed run continues the schedule where
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.example_launch import example_command
+
 SMALL = ["--num_classes", "300", "--embedding_size", "32", "--batch_size", "32", "--num_image", "1024",
          "--warmup_epoch", "1", "--num_epoch", "3", "--frequent", "1000"]
 
@@ -34,13 +34,8 @@ def arcface_schedule(base: float, warmup: int, total: int, power: float, steps: 
 
 def _port(tmp_path, nproc, name, *args):
     out = tmp_path / f"{name}.json"
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]))
-    launcher = [sys.executable] if nproc == 0 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                    "--nproc_per_node", str(nproc)]
-    cmd = launcher + [os.path.join(ROOT, "examples", "arcface_torch_port.py"), *SMALL,
-                      "--output", str(tmp_path / "ckpt"), "--out", str(out), *args]
+    cmd, env = example_command("arcface_torch_port", nproc)
+    cmd += [*SMALL, "--output", str(tmp_path / "ckpt"), "--out", str(out), *args]
     proc = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0 or (out.exists() and "terminate called without an active exception" in proc.stderr), \
         proc.stdout[-3000:] + proc.stderr[-3000:]  # gloo's teardown abort after the work (tests/test_examples.py)
